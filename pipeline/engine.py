@@ -1,0 +1,83 @@
+"""Drives a compiled model library on this computer: KV cache, chunked prefill, decode.
+
+Used by `python -m pipeline run` and by the numerics tests; calls the same entry points an app runtime
+calls (embed, prefill, decode, create_tir_paged_kv_cache), so a passing test exercises the real library.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.runtime import ShapeTuple
+
+PAGE_SIZE = 16
+
+
+def _builtin(name: str):
+    return tvm_ffi.get_global_func(name)
+
+
+class Engine:
+    """One sequence at a time (batch 1), which is what a phone app chat does."""
+
+    def __init__(self, library: Any, params: list[Any], metadata: dict[str, Any], device=None):
+        self.device = device or tvm.cpu()
+        lib = tvm.runtime.load_module(str(library)) if isinstance(library, (str, Path)) else library
+        self.vm = relax.VirtualMachine(lib, self.device)
+        self.meta = metadata
+        self.params = [p if isinstance(p, tvm.runtime.Tensor) else tvm.runtime.tensor(p, self.device)
+                       for p in params]
+        self.dtype = metadata["activation_dtype"]
+        self.chunk = int(metadata["prefill_chunk_size"])
+        self.context = int(metadata["context_window_size"])
+        self.kv = None
+        self.reset()
+
+    @classmethod
+    def from_library(cls, library: Any, params: list[Any]):
+        vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)) if isinstance(library, (str, Path))
+                                  else library, tvm.cpu())
+        return cls(library, params, json.loads(vm["_metadata"]()))
+
+    def reset(self) -> None:
+        """Drop the conversation: a fresh KV cache with one empty sequence."""
+        self.kv = self.vm["create_tir_paged_kv_cache"](
+            ShapeTuple([1]), ShapeTuple([self.context]), ShapeTuple([self.chunk]),
+            ShapeTuple([PAGE_SIZE]), ShapeTuple([0]))
+        _builtin("vm.builtin.kv_state_add_sequence")(self.kv, 0)
+        self.length = 0
+
+    def _embed(self, ids: list[int]):
+        arr = tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device)
+        emb = self.vm["embed"](arr, self.params)
+        return _builtin("vm.builtin.reshape")(emb, ShapeTuple([1, len(ids), emb.shape[-1]])) \
+            if False else emb
+
+    def _forward(self, fn: str, ids: list[int]) -> np.ndarray:
+        if self.length + len(ids) > self.context:
+            raise RuntimeError(f"context window of {self.context} tokens is full")
+        emb = self.vm["embed"](tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device), self.params)
+        emb = tvm.runtime.tensor(emb.numpy().reshape(1, len(ids), -1), self.device)
+        _builtin("vm.builtin.kv_state_begin_forward")(self.kv, ShapeTuple([0]), ShapeTuple([len(ids)]))
+        logits, self.kv = self.vm[fn](emb, self.kv, self.params)
+        _builtin("vm.builtin.kv_state_end_forward")(self.kv)
+        self.length += len(ids)
+        return logits.numpy()
+
+    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """Feed a prompt in chunks of `prefill_chunk_size`; logits of the last token ([V]) or all ([n, V])."""
+        outs = []
+        for start in range(0, len(ids), self.chunk):
+            part = ids[start:start + self.chunk]
+            fn = "prefill_all_logits" if all_logits else "prefill"
+            outs.append(self._forward(fn, part)[0])
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
+
+    def decode(self, token: int) -> np.ndarray:
+        return self._forward("decode", [token])[0, -1]

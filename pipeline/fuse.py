@@ -1,0 +1,50 @@
+"""Operator fusion: dequantize into matmul, transpose into matmul, then TVM's FuseOps/FuseTIR.
+
+Stock FuseOps never fuses a producer (the int4 dequantize) into a matmul, so without our pattern the
+fp16 weights would be materialised in memory on every call — the opposite of what a bandwidth-bound
+phone needs. The pattern runs after legalization, when both sides are `call_tir`s.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_op, is_tuple, wildcard
+
+
+def _callee_name(call: relax.Call) -> str:
+    gv = call.args[0]
+    return gv.name_hint if hasattr(gv, "name_hint") else str(gv)
+
+
+def _dequant_matmul_pattern():
+    dequant = is_op("relax.call_tir")(wildcard(), wildcard())
+    matmul = is_op("relax.call_tir")(wildcard(), is_tuple([wildcard(), dequant]))
+    return matmul, {"dequant": dequant, "matmul": matmul}
+
+
+def _is_dequant_matmul(ctx: relax.transform.PatternCheckContext) -> bool:
+    dq = ctx.annotated_expr["dequant"]
+    mm = ctx.annotated_expr["matmul"]
+    return _callee_name(dq).startswith("dequantize_q4") and "matmul" in _callee_name(mm)
+
+
+def fuse_dequantize_matmul() -> tvm.transform.Pass:
+    pattern, annotations = _dequant_matmul_pattern()
+    return relax.transform.FuseOpsByPattern(
+        [("dequantize_matmul", pattern, annotations, _is_dequant_matmul)], bind_constants=False)
+
+
+def fusion_passes() -> list[tvm.transform.Pass]:
+    """The fuse stage, in order. Each pass is a plain TVM pass so it can be inspected and reordered."""
+    return [
+        relax.transform.FuseTransposeMatmul(),   # nn.Linear's matmul(x, permute(W)) -> one NT matmul
+        relax.transform.LegalizeOps(),
+        relax.transform.ConvertToDataflow(),
+        fuse_dequantize_matmul(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),                # add+RMSNorm, silu*up, residual adds, ...
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(),
+    ]

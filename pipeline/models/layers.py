@@ -1,0 +1,139 @@
+"""Linear / embedding layers whose storage follows the quantization scheme.
+
+Group-int4 weights are dequantized by a small TE function that always yields W^T ([K, N]); the matmul
+reads it directly, so the fuse stage can fold the dequantize into the matmul (one kernel that reads
+packed int4 and never materialises fp16 weights). The layout (NK = MLC `_1`, KN = MLC `_0`) only
+changes how the packed codes are laid out in memory: KN makes loads along the output dim coalesced,
+which is what Adreno GEMV wants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+
+GROUP = 32          # weights per scale, along the reduction (K) axis
+CODES_PER_WORD = 8  # int4 codes per uint32
+ZERO = 7            # symmetric: code = round(w / scale) + 7, in [0, 14]
+
+
+def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
+    """TE for W^T[k, n] from packed int4 codes + fp16 scales (NK: [N, K/8], KN: [K/8, N])."""
+
+    def code(kk, nn_):
+        word = packed[nn_, kk // CODES_PER_WORD] if layout == "NK" else packed[kk // CODES_PER_WORD, nn_]
+        shift = (kk % CODES_PER_WORD * 4).astype("uint32")
+        return ((word >> shift) & tirx.const(0xF, "uint32")).astype(dtype)
+
+    def scl(kk, nn_):
+        s = scale[nn_, kk // GROUP] if layout == "NK" else scale[kk // GROUP, nn_]
+        return s.astype(dtype)
+
+    return te.compute(
+        (k, n), lambda kk, nn_: (code(kk, nn_) - tirx.const(ZERO, dtype)) * scl(kk, nn_),
+        name="dequantize")
+
+
+class FloatLinear(nn.Module):
+    """y = x W^T (+ b), weight stored [out, in] like HF."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter((out_features, in_features), dtype)
+        self.bias = nn.Parameter((out_features,), dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.astype(x.dtype)
+        y = op.matmul(x, op.permute_dims(w))
+        if self.bias is None:
+            return y
+        return y + (self.bias if self.bias.dtype == x.dtype else self.bias.astype(x.dtype))
+
+
+class Q4Linear(nn.Module):
+    """Group-32 symmetric int4 weights with fp16 scales; `layout` is NK or KN."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str):
+        self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
+        k, n = in_features, out_features
+        if layout == "NK":
+            self.q_weight = nn.Parameter((n, k // CODES_PER_WORD), "uint32")
+            self.q_scale = nn.Parameter((n, k // GROUP), "float16")
+        else:
+            self.q_weight = nn.Parameter((k // CODES_PER_WORD, n), "uint32")
+            self.q_scale = nn.Parameter((k // GROUP, n), "float16")
+        self.bias = nn.Parameter((out_features,), dtype) if bias else None
+
+    def dequantized_t(self) -> Tensor:
+        k, n, layout, dtype = self.in_features, self.out_features, self.layout, self.dtype
+        return op.tensor_expr_op(
+            lambda w, s: dequantize_te(w, s, layout, k, n, dtype),
+            f"dequantize_q4_{layout.lower()}", [self.q_weight, self.q_scale])
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = op.matmul(x, self.dequantized_t())
+        return y + self.bias if self.bias is not None else y
+
+
+class FloatEmbedding(nn.Module):
+    def __init__(self, num: int, dim: int, dtype: str, compute_dtype: str):
+        self.num, self.dim, self.dtype = num, dim, compute_dtype
+        self.weight = nn.Parameter((num, dim), dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = op.take(self.weight, ids, axis=0)
+        return rows if rows.dtype == self.dtype else rows.astype(self.dtype)
+
+    def lm_head(self, h: Tensor) -> Tensor:
+        """Tied output projection: h @ E^T."""
+        w = self.weight if self.weight.dtype == h.dtype else self.weight.astype(h.dtype)
+        return op.matmul(h, op.permute_dims(w))
+
+
+class Q4Embedding(nn.Module):
+    """Row-major (NK) int4 table: a gather reads whole rows, and the tied lm_head is a plain GEMV."""
+
+    def __init__(self, num: int, dim: int, dtype: str):
+        self.num, self.dim, self.dtype = num, dim, dtype
+        self.q_weight = nn.Parameter((num, dim // CODES_PER_WORD), "uint32")
+        self.q_scale = nn.Parameter((num, dim // GROUP), "float16")
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = op.take(self.q_weight, ids, axis=0)
+        scales = op.take(self.q_scale, ids, axis=0)
+        dim, dtype = self.dim, self.dtype
+
+        def gather_dequant(w: te.Tensor, s: te.Tensor):
+            t = dequantize_te(w, s, "NK", dim, w.shape[0], dtype)  # [dim, seq]
+            return te.compute((w.shape[0], dim), lambda i, j: t[j, i], name="embed_dequant")
+
+        return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [rows, scales])
+
+    def lm_head(self, h: Tensor) -> Tensor:
+        k, n, dtype = self.dim, self.num, self.dtype
+        w_t = op.tensor_expr_op(lambda w, s: dequantize_te(w, s, "NK", k, n, dtype),
+                                "dequantize_q4_nk", [self.q_weight, self.q_scale])
+        return op.matmul(h, w_t)
+
+
+@dataclass
+class LayerFactory:
+    """Builds each layer in the storage the quantization scheme asks for."""
+
+    dtype: str                 # activation / compute dtype
+    weight_format: str         # "float" or "q4"
+    weight_dtype: str = "float32"
+    layout: str = "NK"
+
+    def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        if self.weight_format == "q4" and in_features % GROUP == 0:
+            return Q4Linear(in_features, out_features, bias, self.dtype, self.layout)
+        return FloatLinear(in_features, out_features, bias, self.weight_dtype)
+
+    def embedding(self, num: int, dim: int) -> nn.Module:
+        if self.weight_format == "q4" and dim % GROUP == 0:
+            return Q4Embedding(num, dim, self.dtype)
+        return FloatEmbedding(num, dim, self.weight_dtype, self.dtype)

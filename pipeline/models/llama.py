@@ -1,0 +1,301 @@
+"""One definition for the dense GQA decoder family: Llama (incl. Llama-3 RoPE scaling), Qwen2, Qwen3.
+
+Written against `tvm.relax.frontend.nn`; attention runs over TVM's paged KV cache, which also applies
+RoPE. Projections are fused (QKV, gate+up) so a decode step issues fewer, larger GEMVs. Which linear
+layer class is used (float or group-quantized, NK or KN layout) is decided by the quantization scheme
+through `layers.make_linear`, so the model code does not know about quantization.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+from ..errors import ConfigError
+from .layers import LayerFactory
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class DecoderConfig:
+    """The subset of a HF config the dense decoder needs (plus runtime sizes)."""
+
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    context_window_size: int = 4096
+    prefill_chunk_size: int = 512
+    max_batch_size: int = 1
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json",
+                context_window_size: int | None = None, prefill_chunk_size: int | None = None):
+        archs = hf.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if family is None:
+            family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                hf.get("model_type", ""))
+        if family is None:
+            raise ConfigError(
+                f"architecture {archs or hf.get('model_type')} is not supported by the dense decoder",
+                path=source,
+                fix=f"use one of {sorted(ARCHITECTURES)}",
+            )
+        try:
+            n_heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            head_dim = int(hf.get("head_dim") or hidden // n_heads)
+            rope_params = dict(hf.get("rope_parameters") or {})   # transformers 5 folds both in here
+            rope_scaling = dict(hf.get("rope_scaling") or rope_params)
+            rope_scaling.pop("rope_theta", None)
+            rope_theta = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+            if rope_scaling.get("type") and not rope_scaling.get("rope_type"):
+                rope_scaling["rope_type"] = rope_scaling["type"]
+            if rope_scaling.get("rope_type") in (None, "default"):
+                rope_scaling = {}
+            max_pos = int(hf.get("max_position_embeddings") or 4096)
+            cfg = cls(
+                family=family,
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_hidden_layers=int(hf["num_hidden_layers"]),
+                num_attention_heads=n_heads,
+                num_key_value_heads=int(hf.get("num_key_value_heads") or n_heads),
+                head_dim=head_dim,
+                vocab_size=int(hf["vocab_size"]),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                context_window_size=context_window_size or min(max_pos, 4096),
+                prefill_chunk_size=prefill_chunk_size or 512,
+            )
+        except KeyError as err:
+            raise ConfigError(f"missing field {err.args[0]!r}", path=source,
+                              fix="give a complete HF config.json") from None
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {cfg.num_key_value_heads}", path=source, fix="fix the config")
+        return cfg
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, make: LayerFactory, layer_id: int):
+        self.cfg = cfg
+        self.layer_id = layer_id
+        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        self.qkv_proj = make.linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.o_proj = make.linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False, dtype=make.dtype)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False, dtype=make.dtype)
+
+    def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
+        c = self.cfg
+        b, s, _ = x.shape
+        nq, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = op.reshape(self.qkv_proj(x), (b, s, nq + 2 * nkv, d))
+        if c.qk_norm:
+            q, k, v = op.split(qkv, [nq, nq + nkv], axis=2)
+            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        out = kv.attention_with_fused_qkv(self.layer_id, qkv, nq, sm_scale=d**-0.5)
+        return self.o_proj(op.reshape(out, (b, s, nq * d)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, make: LayerFactory):
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = make.linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = make.linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, make: LayerFactory, layer_id: int):
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=make.dtype)
+        self.self_attn = Attention(cfg, make, layer_id)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=make.dtype)
+        self.mlp = MLP(cfg, make)
+
+    def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: DecoderConfig, make: LayerFactory):
+        self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, make, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=make.dtype)
+
+    def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, kv)
+        return self.norm(x)
+
+
+class DecoderLM(nn.Module):
+    """Entry points follow MLC's runtime contract: embed, prefill, decode, create_tir_paged_kv_cache."""
+
+    def __init__(self, cfg: DecoderConfig, make: LayerFactory, target: Any):
+        self.cfg = cfg
+        self.dtype = make.dtype
+        self.target = target
+        self.model = Backbone(cfg, make)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        if self.cfg.tie_word_embeddings:
+            logits = self.model.embed_tokens.lm_head(h)
+        else:
+            logits = self.lm_head(h)
+        return logits.astype("float32") if logits.dtype != "float32" else logits
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def prefill(self, input_embed: Tensor, paged_kv_cache: PagedKVCache):
+        """Run a chunk; logits of its last token only (what generation needs)."""
+        h = self.model(input_embed, paged_kv_cache)
+        return self._logits(_last_token(h)), paged_kv_cache
+
+    def prefill_all_logits(self, input_embed: Tensor, paged_kv_cache: PagedKVCache):
+        """Logits of every position of the chunk (teacher-forced evaluation, quality metrics)."""
+        return self._logits(self.model(input_embed, paged_kv_cache)), paged_kv_cache
+
+    def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache):
+        return self._logits(self.model(input_embed, paged_kv_cache)), paged_kv_cache
+
+    def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                                  support_sliding_window: tirx.Var) -> PagedKVCache:
+        c = self.cfg
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=_shape_expr([0, c.num_hidden_layers]),
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            qk_head_dim=c.head_dim,
+            v_head_dim=c.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=c.rope_theta,
+            rope_scaling=c.rope_scaling,
+            rope_ext_factors=_empty_ext_factors(),
+            rotary_dim=c.head_dim,
+            enable_disaggregation=False,
+            dtype=self.dtype,
+            target=self.target,
+        )
+
+    def export_spec(self) -> dict[str, Any]:
+        h = self.cfg.hidden_size
+        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
+        kv = nn.spec.Object(object_type=PagedKVCache)
+        return {
+            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), **packed},
+            "prefill": {"input_embed": nn.spec.Tensor([1, "seq_len", h], self.dtype),
+                        "paged_kv_cache": kv, **packed},
+            "prefill_all_logits": {"input_embed": nn.spec.Tensor([1, "seq_len", h], self.dtype),
+                                   "paged_kv_cache": kv, **packed},
+            "decode": {"input_embed": nn.spec.Tensor([1, 1, h], self.dtype),
+                       "paged_kv_cache": kv, **packed},
+            "create_tir_paged_kv_cache": {
+                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
+                "page_size": int, "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+
+    def metadata(self, quantization: str, params: list[tuple[str, Any]]) -> dict[str, Any]:
+        c = self.cfg
+        return {
+            "model_type": c.family,
+            "quantization": quantization,
+            "context_window_size": c.context_window_size,
+            "sliding_window_size": -1,
+            "attention_sink_size": -1,
+            "prefill_chunk_size": c.prefill_chunk_size,
+            "tensor_parallel_shards": 1,
+            "pipeline_parallel_stages": 1,
+            "kv_state_kind": "kv_cache",
+            "max_batch_size": c.max_batch_size,
+            "params": [{"name": n, "shape": [int(x) for x in p.shape], "dtype": p.dtype} for n, p in params],
+            "kv_cache": {
+                "num_hidden_layers": c.num_hidden_layers,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim,
+            },
+            "model_config": c.to_json(),
+        }
+
+
+def _shape_expr(values):
+    from tvm import relax
+
+    return relax.ShapeExpr(values)
+
+
+def _empty_ext_factors():
+    """No long-RoPE factors: the runtime checks for an undefined tensor, so pass a plain 0."""
+    from tvm import relax
+
+    return relax.prim_value(0)
+
+
+def _last_token(h: Tensor) -> Tensor:
+    """[b, s, d] -> [b, 1, d]: the hidden state of the chunk's last position."""
+    from tvm import te
+
+    def last(x):
+        b, s, d = x.shape
+        return te.compute((b, 1, d), lambda i, _, k: x[i, s - 1, k], name="last_token")
+
+    return op.tensor_expr_op(last, "last_token", [h])
+
+
+def metadata_json(meta: dict[str, Any]) -> str:
+    return json.dumps(meta, sort_keys=True)

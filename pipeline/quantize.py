@@ -1,0 +1,42 @@
+"""Weight quantization (numpy, one tensor at a time): q0f32 / q0f16 casts and q4f16 group-int4 packing.
+
+q4f16: symmetric int4, group 32 along the reduction (K) axis, fp16 scale = max|w| / 7,
+code = clamp(round(w / scale) + 7, 0, 14), 8 codes per little-endian uint32 (code of k at nibble k % 8).
+NK (MLC `_1`) stores packed [N, K/8] and scales [N, K/32]; KN (MLC `_0`) stores their transposes.
+Codes are computed against the fp16-rounded scale, so every weight dequantizes to within half a step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .models.layers import CODES_PER_WORD, GROUP, ZERO
+
+
+def quantize_q4(w: np.ndarray, layout: str = "NK") -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> (packed uint32, scale float16) in `layout`."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"reduction dim {k} is not a multiple of the group size {GROUP}")
+    groups = w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)
+    scale16 = (np.abs(groups).max(axis=-1) / ZERO).astype(np.float16)
+    scale = scale16.astype(np.float32)[..., None]
+    safe = np.where(scale == 0, 1.0, scale)
+    codes = np.clip(np.rint(groups / safe) + ZERO, 0, 2 * ZERO).astype(np.uint32)
+    codes = np.where(scale == 0, ZERO, codes).reshape(n, k // CODES_PER_WORD, CODES_PER_WORD)
+    shifts = (np.arange(CODES_PER_WORD, dtype=np.uint32) * 4)
+    packed = np.bitwise_or.reduce(codes << shifts, axis=-1).astype(np.uint32)
+    if layout == "KN":
+        return np.ascontiguousarray(packed.T), np.ascontiguousarray(scale16.T)
+    return packed, scale16
+
+
+def dequantize_q4(packed: np.ndarray, scale: np.ndarray, layout: str = "NK") -> np.ndarray:
+    """Inverse of `quantize_q4`: -> [N, K] float32 (the reference for numerics tests)."""
+    if layout == "KN":
+        packed, scale = packed.T, scale.T
+    n = packed.shape[0]
+    shifts = (np.arange(CODES_PER_WORD, dtype=np.uint32) * 4)
+    codes = (packed[..., None] >> shifts) & np.uint32(0xF)
+    codes = codes.reshape(n, -1).astype(np.float32) - ZERO
+    return codes * np.repeat(scale.astype(np.float32), GROUP, axis=1)

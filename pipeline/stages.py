@@ -1,0 +1,285 @@
+"""The whole pipeline in one place: load -> quantize -> fuse -> tune -> build -> emit.
+
+Each stage is a function with explicit inputs and outputs. The two expensive products — converted
+weights and the compiled library — are cached under a key that hashes everything they depend on
+(model config, weights identity, quantization, target, pipeline source, TVM versions), so an unchanged
+rebuild only re-checks keys and re-emits the bundle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .config import ROOT, ModelSpec, QuantSpec, TargetSpec, load_model, load_quant, load_target
+from .errors import PipelineError
+from .progress import Reporter
+
+PIPELINE_DIR = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------------- keys
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def source_hash() -> str:
+    """Content hash of the pipeline's own code: a changed pass or kernel invalidates cached outputs."""
+    h = hashlib.sha256()
+    for path in sorted(PIPELINE_DIR.rglob("*.py")):
+        h.update(path.relative_to(PIPELINE_DIR).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def tvm_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"apache-tvm": version("apache-tvm"), "apache-tvm-ffi": version("apache-tvm-ffi"),
+            "pipeline": __version__}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MLP_CACHE_DIR", ROOT / ".cache"))
+
+
+# --------------------------------------------------------------------------------------- stages
+@dataclass
+class Loaded:
+    """Output of load: the model's config and (optionally) a streaming weight source."""
+
+    spec: ModelSpec
+    hf_config: dict[str, Any]
+    decoder: Any                      # DecoderConfig
+    checkpoint: Any | None            # load.Checkpoint or None (config-only build)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def load(spec: ModelSpec) -> Loaded:
+    from .load import open_checkpoint
+    from .models.llama import DecoderConfig
+
+    ckpt = open_checkpoint(spec.weights) if spec.weights is not None else None
+    hf = spec.hf_config or (ckpt.config if ckpt else None)
+    if hf is None:
+        raise PipelineError("no config and no weights", path=spec.path, fix="give --weights DIR")
+    source = str(spec.path or spec.weights)
+    decoder = DecoderConfig.from_hf(hf, source=source, context_window_size=spec.context_window_size,
+                                    prefill_chunk_size=spec.prefill_chunk_size)
+    return Loaded(spec, hf, decoder, ckpt, ckpt.generation_config if ckpt else {})
+
+
+@dataclass
+class Defined:
+    """The nn.Module with storage chosen by the quantization scheme, and its parameter list."""
+
+    module: Any
+    params: list[tuple[str, Any]]
+    mod: Any                          # exported Relax IRModule
+    layout: str
+    activation_dtype: str
+
+
+def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec) -> Defined:
+    from .models.layers import LayerFactory
+    from .models.llama import DecoderLM
+
+    layout = quant.layout_for(target)
+    act = quant.activation_dtype(target)
+    factory = LayerFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
+                           layout=layout)
+    module = DecoderLM(loaded.decoder, factory, target.tvm())
+    mod, params = module.export_tvm(spec=module.export_spec())
+    return Defined(module, params, mod, layout, act)
+
+
+def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporter) -> Path | None:
+    """Stream checkpoint tensors through conversion + quantization into a cached tensor cache."""
+    from .bundle import atomic_dir
+    from .convert import iter_converted
+    from .tensor_cache import TensorCacheWriter
+
+    if loaded.checkpoint is None:
+        return None
+    key = _digest({"weights": loaded.checkpoint.fingerprint(), "quant": quant.name, "layout": defined.layout,
+                   "params": [(n, [int(x) for x in p.shape], p.dtype) for n, p in defined.params],
+                   "code": source_hash()})
+    out = cache_root() / "weights" / key
+    if (out / "tensor-cache.json").exists():
+        report.info(f"quantize: cache hit ({out.name})")
+        return out
+    total = sum(int(p.nbytes) if hasattr(p, "nbytes") else 0 for _, p in defined.params) or None
+    with atomic_dir(out) as tmp, report.bytes_bar("quantize", total) as advance:
+        with TensorCacheWriter(tmp, metadata={"ParamSize": len(defined.params)}) as writer:
+            for name, arr in iter_converted(loaded.checkpoint, defined.params, defined.layout,
+                                            tied=loaded.decoder.tie_word_embeddings):
+                writer.add(name, arr)
+                advance(arr.nbytes)
+    return out
+
+
+def fuse(defined: Defined, target: TargetSpec):
+    import tvm
+
+    from .fuse import fusion_passes
+
+    with target.tvm():
+        return tvm.transform.Sequential(fusion_passes())(defined.mod)
+
+
+def tune(mod: Any, target: TargetSpec):
+    from .tune import schedule_module
+
+    return schedule_module(mod, target.tvm(), target.schedule_rules, target.device)
+
+
+def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec,
+          report: Reporter) -> tuple[Path, dict[str, Any]]:
+    """fuse + tune + compile, cached by a key over everything the library depends on."""
+    from .bundle import atomic_dir
+    from .compile import attach_metadata, build_library
+
+    meta = defined.module.metadata(quant.name, defined.params)
+    meta["activation_dtype"] = defined.activation_dtype
+    meta["weight_layout"] = defined.layout
+    tvm_target = target.tvm()
+    key = _digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
+                   "act": defined.activation_dtype, "target": str(tvm_target.export()),
+                   "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
+                   "meta": meta})
+    out = cache_root() / "lib" / key
+    if (out / "build.json").exists():
+        report.info(f"build: cache hit ({out.name})")
+        return out, json.loads((out / "build.json").read_text())
+    prefix = f"{loaded.decoder.family}_{quant.name}_"
+    with atomic_dir(out) as tmp:
+        with report.step("fuse"):
+            mod = fuse(defined, target)
+        with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
+            mod, schedules = tune(mod, target)
+        with report.step(f"compile for {target.name}"):
+            t0 = time.time()
+            lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
+                                system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
+            seconds = time.time() - t0
+        info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
+                "compile_seconds": round(seconds, 2),
+                "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device} for s in schedules]}
+        (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+    return out, info
+
+
+def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | None, lib_dir: Path,
+         build_info: dict[str, Any], out_root: Path, report: Reporter, request_key: str = "") -> Path:
+    """Assemble dist/<model>-<quant>-<target>/ in a temp dir and rename it into place."""
+    from .bundle import atomic_dir, tool_versions, write_manifest
+    from .chat_config import chat_config
+
+    name = f"{loaded.spec.name}-{quant.name}-{target.name}"
+    final = out_root / name
+    build_key = _digest({"weights": weights.name if weights else None, "lib": build_info["key"],
+                         "code": source_hash()})
+    if _bundle_current(final, build_key):
+        report.info(f"emit: {final} is up to date (build key {build_key})")
+        return final
+    with atomic_dir(final) as tmp:
+        (tmp / "lib").mkdir()
+        _link_or_copy(lib_dir / build_info["library"], tmp / "lib" / build_info["library"])
+        (tmp / "reports").mkdir()
+        shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
+        if weights is not None:
+            for f in sorted(weights.iterdir()):
+                _link_or_copy(f, tmp / f.name)
+        tokenizer_files = loaded.checkpoint.write_tokenizer(tmp) if loaded.checkpoint else []
+        cfg = chat_config(loaded, quant, build_info, tokenizer_files)
+        (tmp / "mlc-chat-config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        if weights is None:
+            (tmp / "NO_WEIGHTS.txt").write_text(
+                "Built from the model config alone: the library and configs are here, the weights are not.\n"
+                "Rebuild with --weights DIR (a HF safetensors folder) to add tensor-cache.json + shards.\n")
+        write_manifest(tmp, build_key=build_key, tool_versions=tool_versions(),
+                       extra={"model": loaded.spec.name, "quantization": quant.name, "target": target.name,
+                              "library": f"lib/{build_info['library']}", "has_weights": weights is not None,
+                              "request_key": request_key})
+    return final
+
+
+def _bundle_current(final: Path, key: str, field: str = "build_key") -> bool:
+    manifest = final / "manifest.json"
+    if not manifest.exists():
+        return False
+    try:
+        data = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return False
+    if data.get(field, (data.get("extra") or {}).get(field)) != key:
+        return False
+    return all((final / f["path"]).exists() and (final / f["path"]).stat().st_size == f["size"]
+               for f in data.get("files", []))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+# ------------------------------------------------------------------------------------- pipeline
+@dataclass
+class BuildResult:
+    bundle: Path
+    seconds: float
+    cached: bool
+    has_weights: bool
+
+
+def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
+    """A cheap key over a build's inputs, checked before anything is loaded or imported.
+
+    Weights enter by path, size and mtime (like make); configs and code by content. When it matches the
+    bundle's manifest and every file is intact, the build is a no-op that takes about a second.
+    """
+    def stat(path: Path | None):
+        if path is None or not path.exists():
+            return None
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+        return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+    def text(path: Path | None):
+        return path.read_text() if path else None
+
+    return _digest({"model": text(model.path), "hf": model.hf_config, "weights": stat(model.weights),
+                    "quant": text(quant.path), "target": text(target.path), "code": source_hash(),
+                    "versions": tvm_versions()})
+
+
+def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
+                 report: Reporter | None = None) -> BuildResult:
+    report = report or Reporter()
+    t0 = time.time()
+    target_spec = load_target(target)
+    quant_spec = load_quant(quant)
+    model_spec = load_model(model, weights)
+    req = request_key(model_spec, quant_spec, target_spec)
+    final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
+    if _bundle_current(final, req, field="request_key"):
+        report.info(f"{final} is up to date (cache hit: inputs unchanged, all files intact)")
+        has_weights = (final / "tensor-cache.json").exists()
+        return BuildResult(final, time.time() - t0, True, has_weights)
+    with report.step(f"load {model_spec.name}"):
+        loaded = load(model_spec)
+    defined = define(loaded, quant_spec, target_spec)
+    weights_dir = quantize(loaded, defined, quant_spec, report)
+    lib_dir, info = build(loaded, defined, quant_spec, target_spec, report)
+    bundle = emit(loaded, quant_spec, target_spec, weights_dir, lib_dir, info, Path(out), report,
+                  request_key=req)
+    seconds = time.time() - t0
+    return BuildResult(bundle, seconds, report.all_cached, weights_dir is not None)

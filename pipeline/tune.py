@@ -1,0 +1,88 @@
+"""The tune stage: give every GPU kernel a schedule and record which rule did it.
+
+TVM 0.27 compiles an unscheduled PrimFunc for a GPU target into *host* code without a word, so a
+"GPU" build could silently run kernels on the phone's CPU. Here each kernel is scheduled by the
+target's ordered rule list (dlight defaults; tuned records later), and the stage fails with the kernel's
+name when one is left without thread bindings. The per-kernel record feeds the coverage report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+
+from .errors import CompileError
+
+
+def _rules():
+    from tvm.s_tir import dlight as dl
+
+    return {
+        "gemv": dl.gpu.GEMV,
+        "matmul": dl.gpu.Matmul,
+        "reduction": dl.gpu.Reduction,
+        "general_reduction": dl.gpu.GeneralReduction,
+        "fallback": dl.gpu.Fallback,
+    }
+
+
+@dataclass(frozen=True)
+class KernelSchedule:
+    name: str
+    rule: str          # rule name, "library" (shipped pre-scheduled by TVM), or "cpu-default"
+    on_device: bool
+
+
+def _is_scheduled(func: tirx.PrimFunc) -> bool:
+    return bool(func.attrs and "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]))
+
+
+def has_thread_binding(func: tirx.PrimFunc) -> bool:
+    text = func.script()
+    return "T.thread_binding" in text or "threadIdx" in text or "blockIdx" in text
+
+
+def schedule_module(mod: tvm.IRModule, target: tvm.target.Target, rule_names: tuple[str, ...],
+                    device: str) -> tuple[tvm.IRModule, list[KernelSchedule]]:
+    """Apply the rules in order to each unscheduled PrimFunc; return the module and a record per kernel."""
+    records: list[KernelSchedule] = []
+    if device != "gpu":
+        for gv, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc):
+                records.append(KernelSchedule(gv.name_hint, "cpu-default", device == "cpu"))
+        return mod, records
+    table = _rules()
+    unknown = [r for r in rule_names if r not in table]
+    if unknown:
+        raise CompileError(f"unknown schedule rule {unknown[0]!r}", fix=f"use rules from {sorted(table)}")
+    rules = [(name, table[name]()) for name in rule_names]
+    updates = {}
+    with target:
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            if _is_scheduled(func):
+                records.append(KernelSchedule(gv.name_hint, "library", True))
+                continue
+            for rule_name, rule in rules:
+                space = rule.apply(func, target, False)
+                if space is None:
+                    continue
+                sch = space[0] if isinstance(space, list) else space
+                updates[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+                records.append(KernelSchedule(gv.name_hint, rule_name, True))
+                break
+            else:
+                records.append(KernelSchedule(gv.name_hint, "none", False))
+    for gv, func in updates.items():
+        mod[gv] = func
+    missing = [r.name for r in records if r.on_device and not has_thread_binding(mod[r.name])]
+    missing += [r.name for r in records if r.rule == "none"]
+    if missing:
+        raise CompileError(
+            f"{len(missing)} GPU kernel(s) have no schedule and would silently run on the CPU: "
+            f"{', '.join(sorted(set(missing))[:5])}",
+            fix="add a schedule rule to the target's schedule_rules (e.g. fallback)")
+    return mod, records

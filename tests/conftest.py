@@ -1,0 +1,53 @@
+"""Shared fixtures: an isolated build cache per test session and helpers to build bundles once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """Builds in tests never read or write the developer's .cache."""
+    cache = tmp_path_factory.mktemp("build-cache")
+    old = os.environ.get("MLP_CACHE_DIR")
+    os.environ["MLP_CACHE_DIR"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("MLP_CACHE_DIR", None)
+    else:
+        os.environ["MLP_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def dist_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="session")
+def build_bundle(dist_dir):
+    """build_bundle(model, target, quant) -> bundle path; each combination is built once per session."""
+    from pipeline.progress import Reporter
+    from pipeline.stages import run_pipeline
+
+    built: dict[tuple, Path] = {}
+
+    def _build(model: str, target: str = "host-cpu", quant: str = "q0f32") -> Path:
+        key = (str(model), target, quant)
+        if key not in built:
+            built[key] = run_pipeline(str(model), target, quant, out=str(dist_dir),
+                                      report=Reporter(quiet=True)).bundle
+        return built[key]
+
+    return _build
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from pipeline.config import load_model
+
+    return load_model("smollm2-135m").weights

@@ -1,0 +1,106 @@
+"""User mistakes end in one clear line (exit 2) and leave no bundle directory behind."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def good_folder(tmp_path_factory) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    folder = tmp_path_factory.mktemp("good")
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True, max_shard_size="100KB")
+    return folder
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def truncated(folder: Path) -> str:
+    shard = _shards(folder)[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+    return shard.name
+
+
+def lying_header(folder: Path) -> str:
+    shard = _shards(folder)[0]
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [x * 2 for x in header[name]["shape"]]
+    text = json.dumps(header).encode()
+    assert len(text) <= n
+    shard.write_bytes(raw[:8] + text.ljust(n, b" ") + raw[8 + n:])
+    return shard.name
+
+
+def missing_shard(folder: Path) -> str:
+    shard = _shards(folder)[-1]
+    shard.unlink()
+    return shard.name
+
+
+def pickle_bin(folder: Path) -> str:
+    for s in _shards(folder):
+        s.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    return "pytorch_model.bin"
+
+
+def run_build(model: str, out: Path, target: str = "host-cpu") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "build", "--model", model, "--target", target,
+                           "--quant", "q0f32", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("breaker", [truncated, lying_header, missing_shard, pickle_bin])
+def test_bad_weights_one_line_no_bundle(tmp_path, good_folder, breaker):
+    folder = _copy(good_folder, tmp_path / "model")
+    culprit = breaker(folder)
+    out = tmp_path / "dist"
+    proc = run_build(str(folder), out)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert culprit in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_unknown_target(tmp_path):
+    out = tmp_path / "dist"
+    proc = run_build("smollm2-135m", out, target="nokia-3310")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown target 'nokia-3310'" in lines[0] and "host-cpu" in lines[0]
+    assert not out.exists()
+
+
+def test_unknown_model_and_quant(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "build", "--model", "gpt-17", "--quant", "q3z"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "error:" in proc.stderr
