@@ -19,7 +19,7 @@ from typing import Any
 
 from . import __version__
 from .config import ROOT, ModelSpec, QuantSpec, TargetSpec, load_model, load_quant, load_target
-from .errors import PipelineError
+from .errors import PipelineError, WeightsError
 from .progress import Reporter
 
 PIPELINE_DIR = Path(__file__).resolve().parent
@@ -115,7 +115,9 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
     if (out / "tensor-cache.json").exists():
         report.info(f"quantize: cache hit ({out.name})")
         return out
-    total = sum(int(p.nbytes) if hasattr(p, "nbytes") else 0 for _, p in defined.params) or None
+    import numpy as np
+
+    total = sum(int(np.prod([int(x) for x in p.shape])) * np.dtype(p.dtype).itemsize for _, p in defined.params)
     with atomic_dir(out) as tmp, report.bytes_bar("quantize", total) as advance:
         with TensorCacheWriter(tmp, metadata={"ParamSize": len(defined.params)}) as writer:
             for name, arr in iter_converted(loaded.checkpoint, defined.params, defined.layout,
@@ -197,7 +199,12 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         if weights is not None:
             for f in sorted(weights.iterdir()):
                 _link_or_copy(f, tmp / f.name)
-        tokenizer_files = loaded.checkpoint.write_tokenizer(tmp) if loaded.checkpoint else []
+        tokenizer_files = []
+        if loaded.checkpoint:
+            try:
+                tokenizer_files = loaded.checkpoint.write_tokenizer(tmp)
+            except WeightsError as err:   # a compiled model is still useful; say what is missing
+                report.info(f"[yellow]warning:[/] {err} (the bundle has no tokenizer)")
         cfg = chat_config(loaded, quant, build_info, tokenizer_files)
         (tmp / "mlc-chat-config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         if weights is None:

@@ -56,15 +56,16 @@ class FloatLinear(nn.Module):
 class Q4Linear(nn.Module):
     """Group-32 symmetric int4 weights with fp16 scales; `layout` is NK or KN."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str,
+                 scale_dtype: str = "float16"):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
         k, n = in_features, out_features
         if layout == "NK":
             self.q_weight = nn.Parameter((n, k // CODES_PER_WORD), "uint32")
-            self.q_scale = nn.Parameter((n, k // GROUP), "float16")
+            self.q_scale = nn.Parameter((n, k // GROUP), scale_dtype)
         else:
             self.q_weight = nn.Parameter((k // CODES_PER_WORD, n), "uint32")
-            self.q_scale = nn.Parameter((k // GROUP, n), "float16")
+            self.q_scale = nn.Parameter((k // GROUP, n), scale_dtype)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def dequantized_t(self) -> Tensor:
@@ -96,10 +97,10 @@ class FloatEmbedding(nn.Module):
 class Q4Embedding(nn.Module):
     """Row-major (NK) int4 table: a gather reads whole rows, and the tied lm_head is a plain GEMV."""
 
-    def __init__(self, num: int, dim: int, dtype: str):
+    def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16"):
         self.num, self.dim, self.dtype = num, dim, dtype
         self.q_weight = nn.Parameter((num, dim // CODES_PER_WORD), "uint32")
-        self.q_scale = nn.Parameter((num, dim // GROUP), "float16")
+        self.q_scale = nn.Parameter((num, dim // GROUP), scale_dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         rows = op.take(self.q_weight, ids, axis=0)
@@ -127,13 +128,14 @@ class LayerFactory:
     weight_format: str         # "float" or "q4"
     weight_dtype: str = "float32"
     layout: str = "NK"
+    scale_dtype: str = "float16"   # float32 only to execute kernels on fp16-less OpenCL (PoCL) in tests
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         if self.weight_format == "q4" and in_features % GROUP == 0:
-            return Q4Linear(in_features, out_features, bias, self.dtype, self.layout)
+            return Q4Linear(in_features, out_features, bias, self.dtype, self.layout, self.scale_dtype)
         return FloatLinear(in_features, out_features, bias, self.weight_dtype)
 
     def embedding(self, num: int, dim: int) -> nn.Module:
         if self.weight_format == "q4" and dim % GROUP == 0:
-            return Q4Embedding(num, dim, self.dtype)
+            return Q4Embedding(num, dim, self.dtype, self.scale_dtype)
         return FloatEmbedding(num, dim, self.weight_dtype, self.dtype)
