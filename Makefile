@@ -14,6 +14,10 @@ RUN_QUANT  ?= q4f16
 MAX_NEW_TOKENS ?= 64
 PYTEST_ARGS ?=
 
+# Never reach for a model hub: everything the pipeline reads is local.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
 .PHONY: setup system-deps build run test test-slow lint clean
 
 setup: $(STAMP)

@@ -19,12 +19,17 @@ from .errors import CompileError
 def _rules():
     from tvm.s_tir import dlight as dl
 
+    from .cpu_schedule import CPUInlineParallel
+
     return {
         "gemv": dl.gpu.GEMV,
         "matmul": dl.gpu.Matmul,
         "reduction": dl.gpu.Reduction,
         "general_reduction": dl.gpu.GeneralReduction,
         "fallback": dl.gpu.Fallback,
+        "cpu_gemv": dl.cpu.GEMV,
+        "cpu_reduction": dl.cpu.Reduction,
+        "cpu_inline_parallel": CPUInlineParallel,
     }
 
 
@@ -48,11 +53,6 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target, rule_names: tu
                     device: str) -> tuple[tvm.IRModule, list[KernelSchedule]]:
     """Apply the rules in order to each unscheduled PrimFunc; return the module and a record per kernel."""
     records: list[KernelSchedule] = []
-    if device != "gpu":
-        for gv, func in mod.functions_items():
-            if isinstance(func, tirx.PrimFunc):
-                records.append(KernelSchedule(gv.name_hint, "cpu-default", device == "cpu"))
-        return mod, records
     table = _rules()
     unknown = [r for r in rule_names if r not in table]
     if unknown:
@@ -75,9 +75,12 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target, rule_names: tu
                 records.append(KernelSchedule(gv.name_hint, rule_name, True))
                 break
             else:
-                records.append(KernelSchedule(gv.name_hint, "none", False))
+                records.append(KernelSchedule(gv.name_hint, "none" if device == "gpu" else "cpu-default",
+                                              device != "gpu"))
     for gv, func in updates.items():
         mod[gv] = func
+    if device != "gpu":
+        return mod, records
     missing = [r.name for r in records if r.on_device and not has_thread_binding(mod[r.name])]
     missing += [r.name for r in records if r.rule == "none"]
     if missing:

@@ -1,0 +1,98 @@
+"""A default CPU schedule for kernels dlight's CPU rules leave alone (e.g. prefill dequantize-matmul).
+
+Unscheduled, a fused dequantize+matmul writes the whole dequantized weight to a scratch buffer on
+every call and runs on one core. This rule inlines such producer blocks into their consumer and runs
+the outermost spatial loops in parallel — simple, and an order of magnitude on prefill.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+
+
+class CPUInlineParallel(ScheduleRule):
+    @staticmethod
+    def _plain(func):
+        sch = s_tir.Schedule(func)
+        root = sch.get_sblock("root")
+        for block in sch.get_child_blocks(root)[:-1]:
+            try:
+                sch.compute_inline(block)
+            except Exception:  # noqa: BLE001
+                continue
+        last = sch.get_child_blocks(root)[-1]
+        loops, kinds = sch.get_loops(last), _iter_kinds(sch, sch.get_child_blocks(root)[-1])
+        spatial = [lp for lp, kd in zip(loops, kinds, strict=False) if kd == "S"][: len(loops)]
+        if spatial:
+            sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
+        return sch
+
+    def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        sch = s_tir.Schedule(func)
+        root = sch.get_sblock("root") if _has_root(sch) else None
+        blocks = sch.get_child_blocks(root) if root is not None else []
+        if not blocks:
+            return None
+        for block in blocks[:-1]:
+            try:
+                sch.compute_inline(block)
+            except Exception:  # noqa: BLE001 - not inlinable (reduction / multi-consumer): keep it
+                continue
+        last = sch.get_child_blocks(root)[-1]
+        loops = sch.get_loops(last)
+        kinds = _iter_kinds(sch, last)
+        spatial = []
+        for loop, kind in zip(loops, kinds, strict=False):
+            if kind != "S":
+                break
+            spatial.append(loop)
+        if not spatial:
+            return None
+        reduction = loops[len(spatial):]
+        if len(reduction) == 1 and _vectorizable(sch, spatial[-1]):
+            try:
+                _matmul_vectorized(sch, last, spatial, reduction[0])
+                return sch
+            except Exception:  # noqa: BLE001 - fall back to the plain parallel form
+                return CPUInlineParallel._plain(func)
+        fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+        sch.parallel(fused)
+        return sch
+
+
+VEC = 8   # fp32 lanes of an AVX2 / 2×NEON register
+
+
+def _vectorizable(sch, loop) -> bool:
+    extent = sch.get(loop).extent
+    return isinstance(extent, tirx.IntImm) and int(extent) % VEC == 0 and int(extent) >= 4 * VEC
+
+
+def _matmul_vectorized(sch, block, spatial, k) -> None:
+    """(..., n, k) -> parallel n_o, then (..., k, n_i) with n_i vectorized: the output tile stays in
+    registers while k streams; with the KN weight layout each weight load is contiguous."""
+    n_o, n_i = sch.split(spatial[-1], factors=[None, VEC])
+    sch.reorder(n_o, *spatial[:-1], k, n_i)
+    sch.parallel(n_o)
+    init = sch.decompose_reduction(block, k)
+    sch.unroll(n_i)                      # straight-line lanes: LLVM's SLP vectorizer packs them
+    sch.vectorize(sch.get_loops(init)[-1])
+
+
+def _has_root(sch) -> bool:
+    try:
+        sch.get_sblock("root")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _iter_kinds(sch, block) -> list[str]:
+    stmt = sch.get(block)
+    out = []
+    for iv in stmt.iter_vars:
+        out.append("S" if int(iv.iter_type) == 0 else "R")
+    return out

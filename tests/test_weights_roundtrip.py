@@ -1,0 +1,46 @@
+"""Converted weights (NK and KN q4 layouts) read back through TVM's own tensor-cache loader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=128)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, {k: v.float().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("quant,layout", [("q4f16_1", "NK"), ("q4f16_0", "KN")])
+def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout):
+    import tvm
+    from tvm.contrib import tvmjs
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.progress import Reporter
+    from pipeline.quantize import quantize_q4
+    from pipeline.stages import define, load, quantize
+
+    folder, state = tiny_llama
+    loaded = load(load_model(str(folder)))
+    defined = define(loaded, load_quant(quant), load_target("host-cpu"))
+    cache_dir = quantize(loaded, defined, load_quant(quant), Reporter(quiet=True))
+    params, _meta = tvmjs.load_tensor_cache(str(cache_dir), tvm.cpu())
+    assert {n for n, _ in defined.params} == set(params)
+
+    qkv = np.concatenate([state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"], axis=0)
+    packed, scale = quantize_q4(qkv, layout)
+    np.testing.assert_array_equal(params["model.layers.1.self_attn.qkv_proj.q_weight"].numpy(), packed)
+    np.testing.assert_array_equal(params["model.layers.1.self_attn.qkv_proj.q_scale"].numpy(), scale)
+    embed_packed, _ = quantize_q4(state["model.embed_tokens.weight"], "NK")   # embeddings stay row-major
+    np.testing.assert_array_equal(params["model.embed_tokens.q_weight"].numpy(), embed_packed)
+    np.testing.assert_array_equal(params["model.norm.weight"].numpy(), state["model.norm.weight"])
