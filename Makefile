@@ -43,7 +43,7 @@ build: $(STAMP)
 	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT)
 
 run: $(STAMP)
-	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT) --quiet-if-cached
+	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT)
 	$(PY) -m pipeline run $(OUT)/$(MODEL)-$(RUN_QUANT)-$(RUN_TARGET) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
 
 test: $(STAMP) system-deps

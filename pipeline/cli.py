@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import PipelineError
@@ -12,7 +13,7 @@ def _build(args) -> int:
     from .progress import Reporter
     from .stages import run_pipeline
 
-    report = Reporter(quiet=args.quiet_if_cached and False)
+    report = Reporter()
     result = run_pipeline(args.model, args.target, args.quant, weights=args.weights, out=args.out,
                           report=report)
     how = "cache hit, nothing rebuilt" if result.cached else "built"
@@ -42,7 +43,6 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--quant", default="q4f16", help="a name from configs/quant/")
     b.add_argument("--weights", default=None, help="weights folder/file (overrides the model config's)")
     b.add_argument("--out", default="dist", help="output root (default: dist)")
-    b.add_argument("--quiet-if-cached", action="store_true", help=argparse.SUPPRESS)
     b.set_defaults(func=_build)
     r = sub.add_parser("run", help="chat with a host-cpu bundle on this computer")
     r.add_argument("bundle")
@@ -65,3 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: no partial output was left behind", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - an internal failure: short by default, full on request
+        if os.environ.get("MLP_DEBUG"):
+            raise
+        lines = [ln for ln in str(err).strip().splitlines() if ln.strip()] or [type(err).__name__]
+        print(f"internal error ({type(err).__name__}): {lines[-1][:300]} — no partial output was left "
+              "behind; rerun with MLP_DEBUG=1 for the full trace", file=sys.stderr)
+        return 1

@@ -57,6 +57,7 @@ class TargetSpec:
     schedule_rules: tuple[str, ...] = ()
     runnable_here: bool = False
     host_native: bool = False
+    requires_codegen: str | None = None
     capabilities: dict[str, Any] = field(default_factory=dict)
     phone: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
@@ -118,15 +119,27 @@ class ModelSpec:
 
 def load_target(name: str) -> TargetSpec:
     if name not in TARGETS:
-        extra = "" if name != "android-vulkan" else ""
-        raise _unknown("target", name, TARGETS, extra)
+        raise _unknown("target", name, TARGETS)
     path = TARGETS[name]
     data = _read_yaml(path)
     try:
         data["schedule_rules"] = tuple(data.get("schedule_rules") or ())
-        return TargetSpec(path=path, **data)
+        spec = TargetSpec(path=path, **data)
     except TypeError as err:
         raise ConfigError(f"bad target file ({err})", path=path, fix="compare with targets/host-cpu.yaml") from None
+    if spec.requires_codegen and not _has_global_func(spec.requires_codegen):
+        raise ConfigError(
+            f"target {name!r} needs TVM's {spec.requires_codegen} code generator, which this TVM "
+            "(PyPI apache-tvm, built without Vulkan/SPIR-V) does not have", path=path,
+            fix="use a TVM built with USE_VULKAN=ON, or --target android-adreno (OpenCL)")
+    return spec
+
+
+def _has_global_func(name: str) -> bool:
+    import tvm  # noqa: F401 - loads libtvm, which registers the code generators
+    import tvm_ffi
+
+    return tvm_ffi.get_global_func(name, allow_missing=True) is not None
 
 
 def load_quant(name: str) -> QuantSpec:

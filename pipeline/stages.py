@@ -166,6 +166,10 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
             mod = fuse(defined, target)
         with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
             mod, schedules = tune(mod, target)
+        from .coverage import coverage_report, write_coverage
+
+        coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size)
+        write_coverage(coverage, tmp)
         with report.step(f"compile for {target.name}"):
             t0 = time.time()
             lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
@@ -196,6 +200,8 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         _link_or_copy(lib_dir / build_info["library"], tmp / "lib" / build_info["library"])
         (tmp / "reports").mkdir()
         shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
+        for name in ("coverage.json", "coverage.md"):
+            shutil.copyfile(lib_dir / name, tmp / "reports" / name)
         if weights is not None:
             for f in sorted(weights.iterdir()):
                 _link_or_copy(f, tmp / f.name)

@@ -119,3 +119,12 @@ def test_unknown_model_and_quant(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline", "build", "--model", "gpt-17", "--quant", "q3z"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "error:" in proc.stderr
+
+
+def test_vulkan_target_says_what_is_missing(tmp_path):
+    out = tmp_path / "dist"
+    proc = run_build("smollm2-135m", out, target="android-vulkan")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "target.build.vulkan" in lines[0] and "USE_VULKAN" in lines[0]
+    assert not out.exists()

@@ -1,0 +1,429 @@
+"""Coverage report: where every compiled kernel runs, who calls it, and what it costs per token.
+
+Peers report counts of delegated ops; counts alone do not say where the work goes. This report lists
+each PrimFunc of the fused + scheduled module with its op class, its Relax callers (and how often
+they call it), its placement (GPU/CPU) and a static estimate of the bytes it moves and the FLOPs it does
+per decode step and per prefill chunk. The decode-step bytes give a bandwidth-bound time estimate on
+the target's phone (bytes / (peak GB/s x 0.6), phones sustain 55-65% of peak in decode).
+
+Estimates are static: the bytes of a kernel are the sizes of its buffer parameters (each read or
+written once), with symbolic dims substituted (`seq_len` = 1 for decode, the prefill chunk for
+prefill). Gathers count only the gathered rows of their table. Attention and KV-append kernels are
+called by the paged KV cache at run time (one per attention call) with context-dependent sizes; they
+are listed with those indirect call counts, and costed only when `context_len` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm import relax, tirx
+
+# Which Relax functions make up one decode step / one prefill chunk (embed runs once per step).
+DECODE_FUNCS = ("decode", "embed")
+PREFILL_FUNCS = ("prefill", "embed")
+EFFECTIVE_BANDWIDTH = 0.6
+
+OP_CLASSES = ("dequant-gemv", "dequant-matmul", "gemv", "matmul", "rmsnorm", "attention", "rope", "kv-cache",
+              "gather", "elementwise", "injective", "reduction", "other")
+
+_ATTENTION_NAMES = ("batch_prefill_paged_kv", "batch_decode_paged_kv", "batch_prefill_ragged_kv", "tree_attn",
+                    "attention", "merge_state")
+_KV_NAMES = ("kv_cache", "copy_single_page", "compact_kv", "transpose_append", "get_kv", "rollback")
+_KV_ATTENTION_BUILTIN = "attention_kv_cache_attention"
+# kernels the paged KV cache dispatches per attention call, by phase
+_KV_DISPATCH = {"decode": ("batch_decode_paged_kv", "tir_kv_cache_transpose_append"),
+                "prefill": ("batch_prefill_paged_kv", "tir_kv_cache_transpose_append"),
+                "prefill_all_logits": ("batch_prefill_paged_kv", "tir_kv_cache_transpose_append")}
+
+
+# ------------------------------------------------------------------------------------ shapes
+def _eval(expr: Any, env: dict[str, int]) -> int | None:
+    """Integer value of a shape expression with symbolic vars bound by name; None when unbound."""
+    if isinstance(expr, int):
+        return expr
+    if isinstance(expr, tirx.IntImm):
+        return int(expr.value)
+    if isinstance(expr, tirx.Var):
+        return env.get(str(expr.name))
+    if isinstance(expr, tirx.Cast):
+        return _eval(expr.value, env)
+    ops = {tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
+           tirx.FloorDiv: lambda a, b: a // b, tirx.FloorMod: lambda a, b: a % b,
+           tirx.Div: lambda a, b: int(a / b), tirx.Mod: lambda a, b: a % b, tirx.Min: min, tirx.Max: max}
+    for cls, fn in ops.items():
+        if isinstance(expr, cls):
+            a, b = _eval(expr.a, env), _eval(expr.b, env)
+            return None if a is None or b is None else fn(a, b)
+    return None
+
+
+def _dim_str(d: Any) -> int | str:
+    v = _eval(d, {})
+    return v if v is not None else str(d)
+
+
+def _buffers(func: tirx.PrimFunc) -> list[Any]:
+    return [p for p in func.params if isinstance(p.ty, tirx.BufferType)]
+
+
+def _elems(buf: Any, env: dict[str, int]) -> int | None:
+    n = 1
+    for d in buf.shape:
+        v = _eval(d, env)
+        if v is None:
+            return None
+        n *= v
+    return n
+
+
+def _nbytes(buf: Any, env: dict[str, int]) -> int | None:
+    n = _elems(buf, env)
+    if n is None:
+        return None
+    dt = tvm.runtime.DataType(str(buf.dtype))
+    return n * max(1, dt.bits * dt.lanes // 8)
+
+
+def _params(func: tirx.PrimFunc) -> list[dict[str, Any]]:
+    out = []
+    for p in func.params:
+        if isinstance(p.ty, tirx.BufferType):
+            out.append({"name": str(p.name), "shape": [_dim_str(d) for d in p.shape], "dtype": str(p.dtype)})
+        else:
+            out.append({"name": str(p.name), "shape": [], "dtype": str(getattr(p.ty, "dtype", p.ty))})
+    return out
+
+
+# ------------------------------------------------------------------------------- classification
+def _written(func: tirx.PrimFunc, text: str) -> list[Any]:
+    """Parameters written by the function (T.writes in its blocks); the last parameter as a fallback."""
+    bufs = _buffers(func)
+    names = set(re.findall(r"T\.writes\(([A-Za-z_]\w*)\[", text))
+    written = [b for b in bufs if str(b.name) in names]
+    return written or bufs[-1:]
+
+
+def _has_reduction(text: str) -> bool:
+    return "T.axis.reduce" in text or re.search(r"T\.axis\.remap\(\"[SR]*R", text) is not None
+
+
+def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
+    """Op class of a kernel from its name (TVM library kernels, normalisations) and structure."""
+    text = text if text is not None else func.script()
+    low = name.lower()
+    if any(k in low for k in _KV_NAMES):
+        return "kv-cache"
+    if any(k in low for k in _ATTENTION_NAMES):
+        return "attention"
+    if "rope" in low or "rotary" in low:
+        return "rope"
+    if "rms_norm" in low or "rmsnorm" in low:
+        return "rmsnorm"
+    if low.startswith("take") or "embedding" in low or "gather" in low:
+        return "gather"
+    bufs = _buffers(func)
+    outs = _written(func, text)
+    ins = [b for b in bufs if not any(b.same_as(o) for o in outs)]
+    if _has_reduction(text):
+        if "rsqrt" in text and len(outs) == 1 and any(len(b.shape) == 1 for b in ins):
+            return "rmsnorm"
+        if _matmul_k(ins, outs) is not None:
+            rows = _elems(outs[0], {}) if outs else None
+            last = _eval(outs[0].shape[-1], {}) if outs and outs[0].shape else None
+            kind = "gemv" if rows is not None and last and rows // last == 1 else "matmul"
+            return f"dequant-{kind}" if any(str(b.dtype) == "uint32" for b in ins) else kind
+        return "reduction"
+    pattern = func.attrs.get("op_pattern") if func.attrs else None
+    if pattern is not None:
+        if int(pattern) <= 1:
+            return "elementwise"
+        if int(pattern) == 2:
+            return "injective"
+    if outs and all(_same_shape(b, outs[0]) for b in ins):
+        return "elementwise"
+    return "injective" if outs else "other"
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return len(a.shape) == len(b.shape) and all(str(x) == str(y) for x, y in zip(a.shape, b.shape, strict=True))
+
+
+def _matmul_k(ins: list[Any], outs: list[Any]) -> Any | None:
+    """The reduction length K of a matmul: the last dim of the input sharing the output's leading dims."""
+    if len(outs) != 1 or len(outs[0].shape) < 2:
+        return None
+    lead = [str(d) for d in outs[0].shape[:-1]]
+    for b in ins:
+        if len(b.shape) == len(outs[0].shape) and [str(d) for d in b.shape[:-1]] == lead:
+            return b.shape[-1]
+    return None
+
+
+# ------------------------------------------------------------------------------------ costs
+def _kv_cost(name: str, func: tirx.PrimFunc, tokens: int, context_len: int | None) -> tuple[int | None, int | None]:
+    """Paged-KV kernels the cache dispatches per attention call: attention over context + new tokens, append.
+
+    Pages are (num_pages, 2, kv_heads, page_size, head_dim): one token's K and V take
+    elems(pages[1:]) / page_size elements. Attention reads the KV of context_len + tokens positions and its
+    queries, writes its outputs, and does 4 x heads x head_dim x tokens x positions FLOPs (QK^T and PV).
+    """
+    if context_len is None:
+        return None, None
+    bufs = _buffers(func)
+    pages = next((b for b in bufs if str(b.name) == "pages" and len(b.shape) >= 3), None)
+    if pages is None:
+        return None, None
+    page_size = _eval(pages.shape[-2], {})
+    per_page = _nbytes_tail(pages)
+    if not page_size or per_page is None:
+        return None, None
+    per_token = per_page // page_size
+    low = name.lower()
+    if "transpose_append" in low and "mla" not in low:
+        return 2 * tokens * per_token + 4 * tokens, tokens * per_token
+    if not low.startswith(("batch_decode_paged_kv", "batch_prefill_paged_kv")) or "sliding" in low:
+        return None, None
+    q = bufs[0]
+    heads, dim = (_eval(d, {}) for d in q.shape[-2:])
+    if not heads or not dim:
+        return None, None
+    dt = tvm.runtime.DataType(str(q.dtype))
+    q_bytes = tokens * heads * dim * max(1, dt.bits // 8)
+    positions = context_len + tokens
+    return positions * per_token + 2 * q_bytes + 4 * tokens * heads, 4 * heads * dim * tokens * positions
+
+
+def _nbytes_tail(buf: Any) -> int | None:
+    n = 1
+    for d in buf.shape[1:]:
+        v = _eval(d, {})
+        if v is None:
+            return None
+        n *= v
+    dt = tvm.runtime.DataType(str(buf.dtype))
+    return n * max(1, dt.bits * dt.lanes // 8)
+
+
+def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tuple[int | None, int | None]:
+    """(bytes read + written, FLOPs) of one call, or (None, None) when not statically known."""
+    if cls in ("attention", "kv-cache"):
+        return None, None
+    bufs = _buffers(func)
+    outs = _written(func, text)
+    ins = [b for b in bufs if not any(b.same_as(o) for o in outs)]
+    out_bytes = [_nbytes(o, env) for o in outs]
+    out_elems = [_elems(o, env) for o in outs]
+    if None in out_bytes or None in out_elems:
+        return None, None
+    n_out = sum(out_elems)
+    if cls == "gather" and any(str(b.dtype) in ("int32", "int64") for b in ins):
+        # only the gathered rows of the table are read: as many bytes as the output; plus the indices
+        table = max(ins, key=lambda b: _nbytes(b, env) or 0) if ins else None
+        rest = [_nbytes(b, env) for b in ins if b is not table]
+        if None in rest:
+            return None, None
+        return 2 * sum(out_bytes) + sum(rest), n_out
+    in_bytes = [_nbytes(b, env) for b in ins]
+    if None in in_bytes:
+        return None, None
+    nbytes = sum(in_bytes) + sum(out_bytes)
+    if cls in ("dequant-gemv", "dequant-matmul", "gemv", "matmul"):
+        k = _eval(_matmul_k(ins, outs), env)
+        return nbytes, 2 * n_out * (k or 0)
+    if cls in ("rmsnorm", "reduction"):
+        largest = max((_elems(b, env) or 0 for b in ins), default=0)
+        return nbytes, 2 * largest + n_out
+    return nbytes, n_out
+
+
+# ------------------------------------------------------------------------------------ callers
+def relax_callers(mod: tvm.IRModule) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """{kernel: {relax function: call_tir count}} and {relax function: KV-cache attention calls}."""
+    call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
+    calls: dict[str, dict[str, int]] = defaultdict(Counter)
+    attention: dict[str, int] = Counter()
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        fname = gv.name_hint
+
+        def visit(node, fname=fname):
+            if not isinstance(node, relax.Call):
+                return
+            if any(node.op.same_as(op) for op in call_tir_ops) and isinstance(node.args[0], tvm.ir.GlobalVar):
+                calls[node.args[0].name_hint][fname] += 1
+            for arg in node.args:
+                if isinstance(arg, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(arg.global_symbol):
+                    attention[fname] += 1
+            if isinstance(node.op, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(node.op.global_symbol):
+                attention[fname] += 1
+
+        relax.analysis.post_order_visit(func.body, visit)
+    return {k: dict(v) for k, v in calls.items()}, dict(attention)
+
+
+def _placement(record: Any, target: Any) -> str:
+    device = "GPU" if target.device == "gpu" else str(target.device).upper()
+    if record is None:
+        return device if target.device == "gpu" else "CPU"
+    return device if record.on_device and target.device != "cpu" else "CPU"
+
+
+# ------------------------------------------------------------------------------------ report
+def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_len: int = 1,
+                    prefill_chunk: int = 256, context_len: int | None = None) -> dict[str, Any]:
+    """Per-kernel rows and a summary for a fused + scheduled module (see the module docstring).
+
+    context_len: tokens already in the KV cache; when given, the attention and KV-append kernels the paged
+    KV cache dispatches are costed too (KV reads grow with it), otherwise they are listed as not costed.
+    """
+    by_name = {r.name: r for r in records}
+    callers, attention_calls = relax_callers(mod)
+    phases = {"decode_step": (DECODE_FUNCS, {"seq_len": seq_len}),
+              "prefill_chunk": (PREFILL_FUNCS, {"seq_len": prefill_chunk})}
+    rows = []
+    for gv, func in sorted(mod.functions_items(), key=lambda kv: kv[0].name_hint):
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        name = gv.name_hint
+        text = func.script()
+        cls = classify(name, func, text)
+        record = by_name.get(name)
+        direct = dict(callers.get(name, {}))
+        indirect = {f: n for f, n in attention_calls.items()
+                    if any(name in (k, f"{k}_cpu") for k in _KV_DISPATCH.get(f, ()))}
+        row: dict[str, Any] = {
+            "name": name, "op_class": cls, "placement": _placement(record, target),
+            "rule": record.rule if record else "unrecorded",
+            "callers": direct, "kv_cache_calls": indirect, "params": _params(func)}
+        for phase, (funcs, env) in phases.items():
+            n_calls = sum(direct.get(f, 0) for f in funcs) + sum(indirect.get(f, 0) for f in funcs)
+            nbytes, flops = _cost(cls, func, text, env)
+            if nbytes is None and indirect:
+                nbytes, flops = _kv_cost(name, func, env["seq_len"], context_len)
+            costed = nbytes is not None
+            row[phase] = {"calls": n_calls, "bytes_per_call": nbytes, "flops_per_call": flops,
+                          "bytes": nbytes * n_calls if costed else None,
+                          "flops": flops * n_calls if costed else None, "costed": costed}
+        rows.append(row)
+    return {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
+            "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
+
+
+def _pct(part: float, total: float) -> float:
+    return round(100.0 * part / total, 2) if total else 0.0
+
+
+def _summary(rows: list[dict[str, Any]], target: Any, context_len: int | None) -> dict[str, Any]:
+    summary: dict[str, Any] = {"kernels": len(rows)}
+    for phase in ("decode_step", "prefill_chunk"):
+        acc = {"flops": 0, "bytes": 0}
+        cpu = {"flops": 0, "bytes": 0}
+        uncosted = sorted(r["name"] for r in rows if r[phase]["calls"] and not r[phase]["costed"])
+        for r in rows:
+            if not r[phase]["costed"]:
+                continue
+            side = cpu if r["placement"] == "CPU" else acc
+            side["flops"] += r[phase]["flops"]
+            side["bytes"] += r[phase]["bytes"]
+        total = {k: acc[k] + cpu[k] for k in acc}
+        summary[phase] = {
+            "accelerator": {**acc, "flops_pct": _pct(acc["flops"], total["flops"]),
+                            "bytes_pct": _pct(acc["bytes"], total["bytes"])},
+            "cpu": {**cpu, "flops_pct": _pct(cpu["flops"], total["flops"]),
+                    "bytes_pct": _pct(cpu["bytes"], total["bytes"])},
+            "total": total, "not_costed": uncosted}
+    classes: dict[str, dict[str, int]] = {}
+    for r in rows:
+        c = classes.setdefault(r["op_class"], {"kernels": 0, "gpu": 0, "cpu": 0, "decode_calls": 0,
+                                                "decode_bytes": 0, "decode_flops": 0})
+        c["kernels"] += 1
+        c["cpu" if r["placement"] == "CPU" else "gpu"] += 1
+        c["decode_calls"] += r["decode_step"]["calls"]
+        c["decode_bytes"] += r["decode_step"]["bytes"] or 0
+        c["decode_flops"] += r["decode_step"]["flops"] or 0
+    total_row = {k: sum(c[k] for c in classes.values()) for k in
+                 ("kernels", "gpu", "cpu", "decode_calls", "decode_bytes", "decode_flops")}
+    summary["op_classes"] = dict(sorted(classes.items(), key=lambda kv: OP_CLASSES.index(kv[0])))
+    summary["op_classes_total"] = total_row
+    bw = (target.phone or {}).get("bandwidth_gbs")
+    if bw:
+        eff = float(bw) * EFFECTIVE_BANDWIDTH
+        seconds = summary["decode_step"]["total"]["bytes"] / (eff * 1e9)
+        summary["phone"] = {"name": target.phone.get("name"), "bandwidth_gbs": bw,
+                            "effective_bandwidth_gbs": round(eff, 3),
+                            "decode_step_ms": round(seconds * 1e3, 4),
+                            "decode_tok_s_upper_bound": round(1.0 / seconds, 1) if seconds else None,
+                            "note": "bandwidth-bound estimate; " + (
+                                "excludes KV-cache/attention traffic" if context_len is None
+                                else f"includes KV-cache reads at a context of {context_len} tokens")}
+    return summary
+
+
+# ------------------------------------------------------------------------------------ output
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_num(n: int | None) -> str:
+    return "n/a" if n is None else f"{n:,}"
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    s = report["summary"]
+    lines = [f"# Kernel coverage: {report['target']} ({report['device']})", "",
+             f"{s['kernels']} kernels; decode step at seq_len={report['seq_len']}, "
+             f"prefill chunk of {report['prefill_chunk']} tokens.", ""]
+    lines += ["| phase | accelerator FLOPs | CPU FLOPs | accelerator bytes | CPU bytes |", "|---|---|---|---|---|"]
+    for phase in ("decode_step", "prefill_chunk"):
+        p = s[phase]
+        lines.append(f"| {phase} | {_fmt_num(p['accelerator']['flops'])} ({p['accelerator']['flops_pct']}%) "
+                     f"| {_fmt_num(p['cpu']['flops'])} ({p['cpu']['flops_pct']}%) "
+                     f"| {_fmt_bytes(p['accelerator']['bytes'])} ({p['accelerator']['bytes_pct']}%) "
+                     f"| {_fmt_bytes(p['cpu']['bytes'])} ({p['cpu']['bytes_pct']}%) |")
+    if s["decode_step"]["not_costed"]:
+        lines += ["", "Not costed (run-time sizes, dispatched by the KV cache): "
+                  + ", ".join(s["decode_step"]["not_costed"])]
+    if "phone" in s:
+        ph = s["phone"]
+        lines += ["", f"Estimated decode step on {ph['name']}: {ph['decode_step_ms']} ms "
+                  f"({ph['bandwidth_gbs']} GB/s x {EFFECTIVE_BANDWIDTH}; {ph['note']})."]
+    lines += ["", "## Op classes", "", "| op class | kernels | GPU | CPU | decode calls | decode bytes | decode FLOPs |",
+              "|---|---|---|---|---|---|---|"]
+    for cls, c in list(s["op_classes"].items()) + [("**Total**", s["op_classes_total"])]:
+        lines.append(f"| {cls} | {c['kernels']} | {c['gpu']} | {c['cpu']} | {c['decode_calls']} "
+                     f"| {_fmt_bytes(c['decode_bytes'])} | {_fmt_num(c['decode_flops'])} |")
+    lines += ["", "## Kernels", "",
+              "| kernel | op class | placement | rule | callers | decode calls | decode bytes | decode FLOPs "
+              "| prefill calls | prefill bytes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["kernels"]:
+        who = {**r["callers"], **{f"{k} (kv-cache)": v for k, v in r["kv_cache_calls"].items()}}
+        callers = ", ".join(f"{k}×{v}" for k, v in sorted(who.items())) or "-"
+        d, p = r["decode_step"], r["prefill_chunk"]
+        lines.append(f"| `{r['name']}` | {r['op_class']} | {r['placement']} | {r['rule']} | {callers} "
+                     f"| {d['calls']} | {_fmt_bytes(d['bytes'])} | {_fmt_num(d['flops'])} "
+                     f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_coverage(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
+    """Write coverage.json (sorted keys) and coverage.md into out_dir; return both paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "coverage.json"
+    md = out / "coverage.md"
+    js.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    md.write_text(to_markdown(report))
+    return js, md

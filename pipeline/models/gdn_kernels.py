@@ -1,0 +1,185 @@
+"""TIR kernels for the gated delta rule recurrence of Gated DeltaNet (GDN) layers (Qwen3.5 / Qwen3-Next).
+
+Per value head ``h`` (``Hv`` value heads; key head ``h // (Hv // Hk)`` provides q and k), with the fp32 state
+``S[h]`` of shape ``[Dk, Dv]`` and, for every token ``t``::
+
+    S      = S * exp(g[t, h])                      # g is a log-space decay (g <= 0 in the model)
+    kv_mem = S^T k_t                               # [Dv]
+    delta  = (v_t - kv_mem) * beta[t, h]
+    S      = S + outer(k_t, delta)
+    o_t    = (S^T q_t) * scale                     # scale = Dk ** -0.5 by default
+
+This is transformers' ``torch_recurrent_gated_delta_rule`` (``models/qwen3_5/modeling_qwen3_5.py``): q and
+k are L2-normalised before the recurrence (the model does that, the kernels take normalised inputs), then
+q is divided by ``sqrt(Dk)``; ``g = -exp(A_log) * softplus(a + dt_bias)`` and the state is multiplied by
+``exp(g)`` before the delta update of each token. The chunked form in transformers computes the same.
+
+Every (value head, value column ``j``) pair is independent given the column ``S[h, :, j]``: one work item
+per pair keeps its ``Dk`` column in local (private) memory and scans the tokens sequentially, so the
+prefill kernel is exact, not a chunked approximation. The same TIR serves both CPU and GPU: with
+``gpu=True`` the (head, column-block) loop is bound to ``blockIdx.x`` and the column loop to
+``threadIdx.x`` and the function is marked ``tirx.is_scheduled`` (dlight leaves it alone); with
+``gpu=False`` the head loop is ``parallel`` for LLVM. The CPU variant is plain loop TIR without sblocks,
+so dlight does not schedule it: on a GPU target build the ``gpu=True`` variant (a thread-bound function
+cannot be built for LLVM). Work items per block are ``min(Dv, max_threads)`` with a guard when that does
+not divide ``Dv``. Not tuned: each work item keeps ``Dk`` floats in private memory and every work item of a
+head re-reads the same q/k rows (served by the cache), which is fine for decode (state-bandwidth bound)
+and a sequential, token-by-token prefill.
+
+Buffers (``dtype`` for activations, float32 for the state)::
+
+    gdn_decode:  q [Hk, Dk], k [Hk, Dk], v [Hv, Dv], g [Hv], beta [Hv],
+                 state_in [Hv, Dk, Dv] f32  ->  o [Hv, Dv], state_out [Hv, Dk, Dv] f32
+    gdn_prefill: q [n, Hk, Dk], k [n, Hk, Dk], v [n, Hv, Dv], g [n, Hv], beta [n, Hv],
+                 state_in [Hv, Dk, Dv] f32  ->  o [n, Hv, Dv], state_out [Hv, Dk, Dv] f32
+
+``state_out`` may alias ``state_in`` (every work item reads its whole column before writing it back), so
+a caller may update the state in place; the output buffers are the last two parameters, which is the
+``call_tir`` convention (``out_ty=[o, state]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+__all__ = ["gdn_decode", "gdn_prefill", "gdn_reference"]
+
+
+def _check(Hk: int, Hv: int, Dk: int, Dv: int) -> None:
+    for name, value in (("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv)):
+        if int(value) <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if Hv % Hk:
+        raise ValueError(f"the number of value heads ({Hv}) must be a multiple of the key heads ({Hk})")
+
+
+def _loops(Dv: int, gpu: bool, max_threads: int):
+    """Loop constructors and extents for the (head x column-block, column-in-block) pair of loops."""
+    threads = min(Dv, max_threads)
+    blocks_per_head = -(-Dv // threads)
+    if gpu:
+        outer = functools.partial(T.thread_binding, thread="blockIdx.x")
+        inner = functools.partial(T.thread_binding, thread="threadIdx.x")
+    else:
+        outer, inner = T.parallel, T.serial
+    return outer, inner, threads, blocks_per_head
+
+
+def _finish(func: tirx.PrimFunc, name: str, gpu: bool) -> tirx.PrimFunc:
+    # TVMScript would name it after the Python function; keep it equal to the intended module key.
+    func = func.with_attr("global_symbol", name)
+    if gpu:
+        func = func.with_attr("tirx.is_scheduled", True)
+    return func
+
+
+def gdn_decode(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, scale: float | None = None,
+               gpu: bool = False, max_threads: int = 128, name: str = "gdn_decode") -> tirx.PrimFunc:
+    """One-token gated delta rule step (see the module docstring for buffers and math)."""
+    _check(Hk, Hv, Dk, Dv)
+    group = Hv // Hk
+    scale = float(Dk) ** -0.5 if scale is None else float(scale)
+    outer, inner, threads, bph = _loops(Dv, gpu, max_threads)
+    guard = Dv % threads != 0
+
+    @T.prim_func
+    def gdn_decode_func(q: T.Buffer((Hk, Dk), dtype), k: T.Buffer((Hk, Dk), dtype),
+                        v: T.Buffer((Hv, Dv), dtype), g: T.Buffer((Hv,), dtype), beta: T.Buffer((Hv,), dtype),
+                        state_in: T.Buffer((Hv, Dk, Dv), "float32"), o: T.Buffer((Hv, Dv), dtype),
+                        state_out: T.Buffer((Hv, Dk, Dv), "float32")):
+        for hb in outer(Hv * bph):
+            for tx in inner(threads):
+                if (not guard) or (hb % bph) * threads + tx < Dv:
+                    h = hb // bph
+                    j = (hb % bph) * threads + tx
+                    kh = h // group
+                    col = T.alloc_local((Dk,), "float32")
+                    decay = T.exp(T.Cast("float32", g[h]))
+                    mem = T.float32(0)
+                    for i in range(Dk):
+                        col[i] = state_in[h, i, j] * decay
+                        mem = mem + col[i] * T.Cast("float32", k[kh, i])
+                    delta = (T.Cast("float32", v[h, j]) - mem) * T.Cast("float32", beta[h])
+                    acc = T.float32(0)
+                    for i in range(Dk):
+                        col[i] = col[i] + T.Cast("float32", k[kh, i]) * delta
+                        acc = acc + col[i] * T.Cast("float32", q[kh, i])
+                        state_out[h, i, j] = col[i]
+                    o[h, j] = T.Cast(dtype, acc * T.float32(scale))
+
+    return _finish(gdn_decode_func, name, gpu)
+
+
+def gdn_prefill(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, scale: float | None = None,
+                gpu: bool = False, max_threads: int = 128, name: str = "gdn_prefill") -> tirx.PrimFunc:
+    """Exact gated delta rule over a symbolic number of tokens ``n`` (sequential scan per work item)."""
+    _check(Hk, Hv, Dk, Dv)
+    group = Hv // Hk
+    scale = float(Dk) ** -0.5 if scale is None else float(scale)
+    outer, inner, threads, bph = _loops(Dv, gpu, max_threads)
+    guard = Dv % threads != 0
+
+    @T.prim_func
+    def gdn_prefill_func(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, beta_h: T.handle,
+                         state_in: T.Buffer((Hv, Dk, Dv), "float32"), o_h: T.handle,
+                         state_out: T.Buffer((Hv, Dk, Dv), "float32")):
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, Hk, Dk), dtype)
+        k = T.match_buffer(k_h, (n, Hk, Dk), dtype)
+        v = T.match_buffer(v_h, (n, Hv, Dv), dtype)
+        g = T.match_buffer(g_h, (n, Hv), dtype)
+        beta = T.match_buffer(beta_h, (n, Hv), dtype)
+        o = T.match_buffer(o_h, (n, Hv, Dv), dtype)
+        for hb in outer(Hv * bph):
+            for tx in inner(threads):
+                if (not guard) or (hb % bph) * threads + tx < Dv:
+                    h = hb // bph
+                    j = (hb % bph) * threads + tx
+                    kh = h // group
+                    col = T.alloc_local((Dk,), "float32")
+                    for i in range(Dk):
+                        col[i] = state_in[h, i, j]
+                    for t in range(n):
+                        decay = T.exp(T.Cast("float32", g[t, h]))
+                        mem = T.float32(0)
+                        for i in range(Dk):
+                            col[i] = col[i] * decay
+                            mem = mem + col[i] * T.Cast("float32", k[t, kh, i])
+                        delta = (T.Cast("float32", v[t, h, j]) - mem) * T.Cast("float32", beta[t, h])
+                        acc = T.float32(0)
+                        for i in range(Dk):
+                            col[i] = col[i] + T.Cast("float32", k[t, kh, i]) * delta
+                            acc = acc + col[i] * T.Cast("float32", q[t, kh, i])
+                        o[t, h, j] = T.Cast(dtype, acc * T.float32(scale))
+                    for i in range(Dk):
+                        state_out[h, i, j] = col[i]
+
+    return _finish(gdn_prefill_func, name, gpu)
+
+
+def gdn_reference(q, k, v, g, beta, state, scale: float | None = None):
+    """NumPy float64 reference of the recurrence; q/k [n, Hk, Dk], v [n, Hv, Dv], g/beta [n, Hv].
+
+    Returns ``(o [n, Hv, Dv], final state [Hv, Dk, Dv])`` as float64 arrays.
+    """
+    import numpy as np
+
+    q, k, v, g, beta = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta))
+    s = np.array(state, dtype=np.float64, copy=True)
+    n, hk, dk = k.shape
+    hv = v.shape[1]
+    group = hv // hk
+    scale = dk ** -0.5 if scale is None else scale
+    o = np.zeros(v.shape, dtype=np.float64)
+    for t in range(n):
+        for h in range(hv):
+            kt, qt = k[t, h // group], q[t, h // group]
+            s[h] *= math.exp(g[t, h])
+            delta = (v[t, h] - kt @ s[h]) * beta[t, h]
+            s[h] += np.outer(kt, delta)
+            o[t, h] = (qt @ s[h]) * scale
+    return o, s

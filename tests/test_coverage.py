@@ -1,0 +1,152 @@
+"""The coverage report on a small SmolLM2-shaped model: op classes, callers, placement, honest bytes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.coverage import coverage_report, write_coverage
+
+LAYERS = 3
+SMALL = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+             num_hidden_layers=LAYERS, num_attention_heads=9, num_key_value_heads=3, vocab_size=2048,
+             tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=1e5)
+
+
+def _build(target_name: str):
+    from pipeline.config import ModelSpec, load_quant, load_target
+    from pipeline.models.llama import DecoderConfig
+    from pipeline.stages import Loaded, define, fuse, tune
+
+    target = load_target(target_name)
+    spec = ModelSpec(name="smollm2-shape", hf_config=SMALL, weights=None)
+    loaded = Loaded(spec, SMALL, DecoderConfig.from_hf(SMALL), None)
+    defined = define(loaded, load_quant("q4f16"), target)
+    mod, records = tune(fuse(defined, target), target)
+    return defined, mod, records, target
+
+
+@pytest.fixture(scope="module")
+def adreno_built():
+    return _build("android-adreno")
+
+
+@pytest.fixture(scope="module")
+def adreno(adreno_built):
+    defined, mod, records, target = adreno_built
+    return defined, coverage_report(mod, records, target), records
+
+
+@pytest.fixture(scope="module")
+def host_cpu():
+    defined, mod, records, target = _build("host-cpu")
+    return coverage_report(mod, records, target), records
+
+
+def _q4_weight_bytes(params) -> int:
+    """Independent estimate: uint32 codes + fp16 scales of every quantized matrix (linears + embedding/lm_head)."""
+    return sum(int(np.prod([int(d) for d in p.shape])) * np.dtype(p.dtype).itemsize
+               for name, p in params if name.endswith((".q_weight", ".q_scale")))
+
+
+def test_adreno_everything_on_gpu_and_recorded(adreno):
+    _, report, records = adreno
+    rows = report["kernels"]
+    assert len(rows) == len(records) == report["summary"]["kernels"]
+    assert {r["placement"] for r in rows} == {"GPU"}
+    assert report["summary"]["decode_step"]["cpu"]["bytes"] == 0
+    assert report["summary"]["decode_step"]["accelerator"]["bytes_pct"] == 100.0
+    json.dumps(report)   # JSON-able
+
+
+def test_adreno_op_classes(adreno):
+    _, report, _ = adreno
+    cls = {r["name"]: r["op_class"] for r in report["kernels"]}
+    assert cls["batch_decode_paged_kv"] == "attention"
+    assert cls["batch_prefill_paged_kv"] == "attention"
+    assert cls["rms_norm"] == "rmsnorm"
+    assert cls["take"] == "gather"
+    assert cls["tir_kv_cache_transpose_append"] == "kv-cache"
+    assert cls["fused_split_silu_multiply"] in ("elementwise", "injective")
+    dq = [r for r in report["kernels"] if r["op_class"].startswith("dequant-")]
+    assert dq and all(any(p["dtype"] == "uint32" for p in r["params"]) for r in dq)
+    # decode variants are GEMVs, prefill variants (symbolic seq_len) are matmuls
+    assert all(r["op_class"] == "dequant-gemv" for r in dq if r["callers"].get("decode"))
+    assert all(r["op_class"] == "dequant-matmul" for r in dq if "seq_len" in json.dumps(r["params"]))
+
+
+def test_adreno_dequant_gemv_called_by_decode_per_layer(adreno):
+    defined, report, _ = adreno
+    linear_per_layer = sum(1 for name, _ in defined.params
+                           if name.startswith("model.layers.0.") and name.endswith(".q_weight"))
+    assert linear_per_layer == 4     # qkv, o, gate_up, down
+    gemv = [r for r in report["kernels"] if r["op_class"] == "dequant-gemv"]
+    decode_calls = [r["callers"].get("decode", 0) for r in gemv]
+    # one kernel per linear shape, each called once per layer, plus the (tied) lm_head once
+    assert sorted(decode_calls) == [1] + [LAYERS] * linear_per_layer
+    assert sum(decode_calls) == LAYERS * linear_per_layer + 1
+    for r in gemv:
+        assert r["decode_step"]["calls"] == r["callers"]["decode"]
+        assert r["decode_step"]["flops"] > 0 and r["decode_step"]["bytes"] > 0
+
+
+def test_adreno_decode_bytes_are_honest(adreno):
+    defined, report, _ = adreno
+    expected = _q4_weight_bytes(defined.params)
+    got = report["summary"]["decode_step"]["total"]["bytes"]
+    assert abs(got - expected) <= 0.10 * expected, (got, expected)
+    phone = report["summary"]["phone"]
+    assert phone["decode_step_ms"] == pytest.approx(got / (76.8 * 0.6 * 1e9) * 1e3, rel=1e-3)
+    # a prefill chunk does the same weight reads but 256x the FLOPs of the linears
+    assert report["summary"]["prefill_chunk"]["total"]["flops"] > 100 * report["summary"]["decode_step"]["total"]["flops"]
+
+
+def test_adreno_total_row_is_sum_of_classes(adreno):
+    _, report, _ = adreno
+    classes = report["summary"]["op_classes"]
+    total = report["summary"]["op_classes_total"]
+    for key in total:
+        assert total[key] == sum(c[key] for c in classes.values()), key
+    assert total["kernels"] == len(report["kernels"])
+    assert total["decode_bytes"] == report["summary"]["decode_step"]["total"]["bytes"]
+
+
+def test_adreno_kv_cache_traffic_with_context(adreno_built):
+    defined, mod, records, target = adreno_built
+    plain = coverage_report(mod, records, target)
+    ctx = 512
+    report = coverage_report(mod, records, target, context_len=ctx)
+    rows = {r["name"]: r for r in report["kernels"]}
+    attn = rows["batch_decode_paged_kv"]["decode_step"]
+    assert attn["calls"] == LAYERS and attn["costed"]
+    assert rows["batch_prefill_paged_kv"]["prefill_chunk"]["calls"] == LAYERS
+    assert report["summary"]["decode_step"]["not_costed"] == []
+    assert plain["summary"]["decode_step"]["not_costed"] == ["batch_decode_paged_kv", "tir_kv_cache_transpose_append"]
+    kv_heads, head_dim, fp16 = SMALL["num_key_value_heads"], SMALL["hidden_size"] // SMALL["num_attention_heads"], 2
+    expected_kv = LAYERS * (ctx + 1) * 2 * kv_heads * head_dim * fp16       # K and V of every position, per layer
+    extra = report["summary"]["decode_step"]["total"]["bytes"] - plain["summary"]["decode_step"]["total"]["bytes"]
+    assert abs(extra - expected_kv) <= 0.05 * expected_kv, (extra, expected_kv)
+    assert "context of 512" in report["summary"]["phone"]["note"]
+
+
+def test_host_cpu_everything_on_cpu(host_cpu):
+    report, records = host_cpu
+    assert len(report["kernels"]) == len(records)
+    assert {r["placement"] for r in report["kernels"]} == {"CPU"}
+    assert report["summary"]["decode_step"]["accelerator"]["bytes"] == 0
+    assert "phone" not in report["summary"]
+
+
+def test_write_coverage(adreno, tmp_path):
+    _, report, _ = adreno
+    js, md = write_coverage(report, tmp_path)
+    assert json.loads(js.read_text()) == json.loads(json.dumps(report))
+    assert js.read_text() == json.dumps(report, indent=1, sort_keys=True) + "\n"
+    text = md.read_text()
+    assert "| **Total** |" in text
+    kernel_lines = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(kernel_lines) == len(report["kernels"])
+    for r in report["kernels"]:
+        assert sum(f"`{r['name']}`" in line for line in kernel_lines) == 1
