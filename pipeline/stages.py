@@ -202,6 +202,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
         for name in ("coverage.json", "coverage.md"):
             shutil.copyfile(lib_dir / name, tmp / "reports" / name)
+        _write_memory_plan(loaded, quant, target, build_info, tmp / "reports", report)
         if weights is not None:
             for f in sorted(weights.iterdir()):
                 _link_or_copy(f, tmp / f.name)
@@ -222,6 +223,23 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
                               "library": f"lib/{build_info['library']}", "has_weights": weights is not None,
                               "request_key": request_key})
     return final
+
+
+def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, build_info: dict[str, Any],
+                       out: Path, report: Reporter) -> None:
+    """Memory / bandwidth plan for the target's phone (weights, KV at several contexts, activations)."""
+    from .memory_plan import memory_plan, plan_markdown
+
+    scheme = "q4f16" if quant.weight_format == "q4" else quant.name
+    try:
+        plan = memory_plan(loaded.hf_config, quant=scheme,
+                           compute_dtype=build_info["metadata"]["activation_dtype"],
+                           prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None)
+    except ValueError as err:
+        report.info(f"[yellow]note:[/] no memory plan ({err})")
+        return
+    (out / "memory.json").write_text(json.dumps(plan, indent=1, sort_keys=True, default=str))
+    (out / "memory.md").write_text(plan_markdown(plan))
 
 
 def _bundle_current(final: Path, key: str, field: str = "build_key") -> bool:

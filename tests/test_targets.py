@@ -31,6 +31,13 @@ def test_default_build_for_adreno(build_bundle):
     assert members and all(_elf_machine(data) == AARCH64 for data in members.values())
     device_objects = [data for name, data in members.items() if "devc" in name]
     assert device_objects and b"__kernel" in device_objects[0], "no OpenCL kernels embedded"
+    for report in ("coverage.json", "coverage.md", "memory.json", "memory.md"):
+        assert (bundle / "reports" / report).exists(), report
+    coverage = json.loads((bundle / "reports" / "coverage.json").read_text())
+    assert coverage["summary"]["kernels"] == len(coverage["kernels"])
+    assert all(row["placement"] == "GPU" for row in coverage["kernels"])
+    memory = json.loads((bundle / "reports" / "memory.json").read_text())
+    assert "Snapdragon" in json.dumps(memory)
     kernels = json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]
     assert kernels and all(k["on_device"] and k["rule"] != "none" for k in kernels)
     rules = {k["rule"] for k in kernels}

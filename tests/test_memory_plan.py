@@ -1,0 +1,212 @@
+"""memory_plan: parameter counts, KV / recurrent state sizes and decode predictions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.memory_plan import memory_plan, plan_markdown
+
+HF = Path(__file__).resolve().parent.parent / "configs" / "models" / "hf"
+PHONE_8G3 = {"name": "Snapdragon 8 Gen 3", "ram_gb": 16, "app_budget_gb": 12, "bandwidth_gbs": 76.8}
+
+
+def _load(name: str) -> dict:
+    return json.loads((HF / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def qwen27b() -> dict:
+    return _load("qwen3.5-27b.config.json")
+
+
+@pytest.fixture(scope="module")
+def qwen32b() -> dict:
+    return _load("qwen3-32b.config.json")
+
+
+def test_qwen27b_params_kv_state(qwen27b):
+    plan = memory_plan(qwen27b, quant="q0f16")
+    assert plan["layers"] == {"total": 64, "full_attention": 16, "linear_attention": 48}
+    params = plan["weights_total"]["params"]
+    assert params == pytest.approx(26.9e9, rel=0.03)
+    # everything but the embedding gather (untied lm_head): ~25.6B
+    assert plan["weights_read_per_token"]["params"] == pytest.approx(25.6e9, rel=0.03)
+    assert plan["weights_total"]["bytes"] == 2 * params
+    # q_proj doubled by the output gate: 2 x 24 x 256 outputs
+    assert plan["weights"]["attn_q"]["params"] == 16 * 2 * 24 * 256 * 5120
+    # KV: 16 full layers x 2 x 4 kv heads x 256 x 2 B = 64 KiB/token
+    assert plan["kv_cache"]["bytes_per_token"] == 16 * 2 * 4 * 256 * 2 == 64 * 1024
+    assert plan["kv_cache"]["by_context"][32768] == 64 * 1024 * 32768
+    st = plan["recurrent_state"]
+    assert st["gdn_bytes"] == 48 * 48 * 128 * 128 * 4
+    assert st["gdn_bytes"] == pytest.approx(151e6, rel=0.02)
+    # conv state in fp16: 48 x (2*16*128 + 48*128) x 3 x 2 B ~= 2.9 MB
+    assert st["conv_bytes"] == 48 * 10240 * 3 * 2
+    assert st["conv_bytes"] == pytest.approx(3e6, rel=0.05)
+    # fp32 compute doubles KV and conv state but not the (always fp32) GDN state
+    p32 = memory_plan(qwen27b, quant="q0f16", compute_dtype="float32")
+    assert p32["kv_cache"]["bytes_per_token"] == 128 * 1024
+    assert p32["recurrent_state"]["gdn_bytes"] == st["gdn_bytes"]
+    assert p32["recurrent_state"]["conv_bytes"] == 2 * st["conv_bytes"]
+
+
+def test_qwen27b_q4_weights_and_phone(qwen27b):
+    plan = memory_plan(qwen27b, quant="q4f16", phone=PHONE_8G3)
+    total = plan["weights_total"]["bytes"]
+    # ~4.5 bpw over 26.9B params; only norms / conv1d / decay stay fp16. We get 15.13 GB.
+    assert 14.8e9 < total < 15.4e9
+    read = plan["weights_read_per_token"]["bytes"]
+    assert read == pytest.approx(14.4e9, rel=0.02)  # FACTS: ~14.4 GB/token at 4.5 bpw
+    assert plan["weights_only_roofline_tok_s"] == pytest.approx(5.3, rel=0.02)
+    rows = {r["context"]: r for r in plan["contexts"]}
+    assert set(rows) == {4096, 8192, 32768}
+    for r in rows.values():
+        assert r["predicted_decode_tok_s"] <= 5.3
+        assert r["roofline_tok_s"] <= 5.34
+        assert r["predicted_decode_tok_s"] == pytest.approx(0.6 * r["roofline_tok_s"])
+        # 15 GB of weights alone exceed a 12 GB app budget
+        assert r["fits"] is False
+    assert rows[32768]["predicted_decode_tok_s"] < rows[4096]["predicted_decode_tok_s"]
+    assert rows[4096]["total_bytes"] == (
+        total + 64 * 1024 * 4096 + plan["recurrent_state"]["bytes"] + plan["activations"]["bytes"]
+    )
+    big_phone = dict(PHONE_8G3, ram_gb=24, app_budget_gb=20)
+    assert memory_plan(qwen27b, quant="q4f16", phone=big_phone)["contexts"][0]["fits"] is True
+    md = plan_markdown(plan)
+    assert "| embedding |" in md and "64 KiB" in md and "predicted tok/s" in md and "**predictions**" in md
+
+
+def test_qwen32b(qwen32b):
+    plan = memory_plan(qwen32b, quant="q0f16", contexts=(1024,))
+    assert plan["weights_total"]["params"] == pytest.approx(32.8e9, rel=0.03)
+    assert plan["kv_cache"]["bytes_per_token"] == 64 * 2 * 8 * 128 * 2 == 256 * 1024
+    assert plan["recurrent_state"]["bytes"] == 0
+    assert plan["layers"]["linear_attention"] == 0
+    assert "attn_qk_norm" in plan["weights"]
+    assert "GDN" not in plan_markdown(plan)
+
+
+def test_quant_modes_and_errors(qwen32b):
+    p32 = memory_plan(qwen32b, quant="q0f32")
+    p16 = memory_plan(qwen32b, quant="q0f16")
+    p4 = memory_plan(qwen32b, quant="q4f16")
+    assert p32["weights_total"]["bytes"] == 2 * p16["weights_total"]["bytes"]
+    assert p4["weights"]["mlp_down"]["bytes"] * 8 == p4["weights"]["mlp_down"]["params"] * 4.5
+    assert p4["weights"]["norms"]["precision"] == "float16"
+    with pytest.raises(ValueError):
+        memory_plan(qwen32b, quant="q3f16")
+    with pytest.raises(ValueError):
+        memory_plan(qwen32b, quant="q4f16", compute_dtype="int8")
+
+
+def _group_of(name: str) -> str:
+    """Map a transformers parameter name onto memory_plan's tensor groups."""
+    table = [
+        ("embed_tokens", "embedding"),
+        ("lm_head", "lm_head"),
+        ("q_norm", "attn_qk_norm"),
+        ("k_norm", "attn_qk_norm"),
+        ("in_proj_qkv", "gdn_in_proj_qkv"),
+        ("in_proj_z", "gdn_in_proj_z"),
+        ("in_proj_b", "gdn_in_proj_b"),
+        ("in_proj_a", "gdn_in_proj_a"),
+        ("conv1d", "gdn_conv1d"),
+        ("A_log", "gdn_decay"),
+        ("dt_bias", "gdn_decay"),
+        ("linear_attn.norm", "gdn_norm"),
+        ("out_proj", "gdn_out_proj"),
+        ("gate_proj", "mlp_gate"),
+        ("up_proj", "mlp_up"),
+        ("down_proj", "mlp_down"),
+        ("layernorm", "norms"),
+        ("model.norm", "norms"),
+    ]
+    for key, group in table:
+        if key in name:
+            return "mlp_bias" if group.startswith("mlp_") and name.endswith(".bias") else group
+    for proj in "qkvo":
+        if f"{proj}_proj" in name:
+            return "attn_bias" if name.endswith(".bias") else f"attn_{proj}"
+    raise AssertionError(f"unmapped parameter {name}")
+
+
+def _hf_groups(model) -> dict[str, int]:
+    groups: dict[str, int] = {}
+    for name, p in model.named_parameters():  # shared (tied) parameters are listed once
+        g = _group_of(name)
+        groups[g] = groups.get(g, 0) + p.numel()
+    return groups
+
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 160,
+}
+
+
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("llama", {"tie_word_embeddings": False}),
+        ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True, "head_dim": 32}),
+        ("qwen2", {"tie_word_embeddings": True}),
+        ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
+    ],
+)
+def test_tiny_dense_matches_transformers(family, extra):
+    transformers = pytest.importorskip("transformers")
+    cls_cfg, cls_model = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }[family]
+    cfg = getattr(transformers, cls_cfg)(**TINY, **extra)
+    model = getattr(transformers, cls_model)(cfg)
+    plan = memory_plan(cfg.to_dict(), quant="q0f32", contexts=(16,))
+    assert plan["weights_total"]["params"] == model.num_parameters()
+    assert {g: v["params"] for g, v in plan["weights"].items()} == _hf_groups(model)
+    assert plan["weights_total"]["bytes"] == 4 * model.num_parameters()
+    if extra["tie_word_embeddings"]:
+        assert "lm_head" not in plan["weights"]
+        assert plan["weights_read_per_token"]["params"] == model.num_parameters()
+    else:
+        emb = plan["weights"]["embedding"]["params"]
+        assert plan["weights_read_per_token"]["params"] == model.num_parameters() - emb
+
+
+def test_tiny_qwen35_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip("transformers without Qwen3.5")
+    cfg = transformers.Qwen3_5TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=160,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    # wrap it the way the multimodal checkpoint does
+    hf = {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": cfg.to_dict()}
+    plan = memory_plan(hf, quant="q0f16", contexts=(16,))
+    assert plan["layers"] == {"total": 4, "full_attention": 1, "linear_attention": 3}
+    assert plan["weights_total"]["params"] == model.num_parameters()
+    assert {g: v["params"] for g, v in plan["weights"].items()} == _hf_groups(model)
+    assert plan["kv_cache"]["bytes_per_token"] == 1 * 2 * 2 * 32 * 2
+    assert plan["recurrent_state"]["gdn_bytes"] == 3 * 4 * 16 * 16 * 4
+    assert plan["recurrent_state"]["conv_bytes"] == 3 * (2 * 2 * 16 + 4 * 16) * 3 * 2
