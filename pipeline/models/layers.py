@@ -34,7 +34,7 @@ def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: i
 
     return te.compute(
         (k, n), lambda kk, nn_: (code(kk, nn_) - tirx.const(ZERO, dtype)) * scl(kk, nn_),
-        name="dequantize")
+        name=f"dequantize_{layout.lower()}")
 
 
 class FloatLinear(nn.Module):
