@@ -53,12 +53,6 @@ class Engine:
         _builtin("vm.builtin.kv_state_add_sequence")(self.kv, 0)
         self.length = 0
 
-    def _embed(self, ids: list[int]):
-        arr = tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device)
-        emb = self.vm["embed"](arr, self.params)
-        return _builtin("vm.builtin.reshape")(emb, ShapeTuple([1, len(ids), emb.shape[-1]])) \
-            if False else emb
-
     def _forward(self, fn: str, ids: list[int]) -> np.ndarray:
         if self.length + len(ids) > self.context:
             raise RuntimeError(f"context window of {self.context} tokens is full")
