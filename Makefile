@@ -50,8 +50,9 @@ run: $(STAMP)
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Long-running tests (none marked yet); pytest's exit 5 ("no tests collected") is not a failure here.
 test-slow: $(STAMP) system-deps
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline tests
