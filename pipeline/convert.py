@@ -33,7 +33,7 @@ def _load_source(ckpt: Any, param: str, tied: bool) -> np.ndarray:
     names, _ = hf_sources(param)
     if tied and names == ["lm_head.weight"]:
         names = ["model.embed_tokens.weight"]
-    missing = [n for n in names if n not in ckpt.tensor_set]
+    missing = [n for n in names if n not in ckpt]
     if missing:
         raise WeightsError(f"tensor {missing[0]!r} (needed for {param}) is not in the checkpoint",
                            path=ckpt.path, fix="check that the weights belong to this model config")
@@ -44,7 +44,6 @@ def _load_source(ckpt: Any, param: str, tied: bool) -> np.ndarray:
 def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tied: bool = False,
                    on_tensor: Callable[[str, int], None] | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) in the model's parameter order, ready for the tensor cache."""
-    ckpt.tensor_set = set(ckpt.names())
     pending: dict[str, np.ndarray] = {}
     for name, p in params:
         shape = tuple(int(x) for x in p.shape)

@@ -19,6 +19,10 @@ from tvm.runtime import ShapeTuple
 PAGE_SIZE = 16
 
 
+class MissingWeightsError(KeyError):
+    """The library needs a parameter the given weights do not have."""
+
+
 def _builtin(name: str):
     return tvm_ffi.get_global_func(name)
 
@@ -26,24 +30,26 @@ def _builtin(name: str):
 class Engine:
     """One sequence at a time (batch 1), which is what a phone app chat does."""
 
-    def __init__(self, library: Any, params: list[Any], metadata: dict[str, Any], device=None):
+    def __init__(self, library: Any, params: dict[str, Any] | list[Any], metadata: dict[str, Any] | None = None,
+                 device=None):
+        """`params`: arrays in the library's parameter order, or a name -> array mapping (ordered by
+        `_metadata`). `metadata` defaults to what the library's `_metadata()` returns."""
         self.device = device or tvm.cpu()
         lib = tvm.runtime.load_module(str(library)) if isinstance(library, (str, Path)) else library
         self.vm = relax.VirtualMachine(lib, self.device)
-        self.meta = metadata
+        self.meta = metadata if metadata is not None else json.loads(self.vm["_metadata"]())
+        if isinstance(params, dict):
+            missing = [p["name"] for p in self.meta["params"] if p["name"] not in params]
+            if missing:
+                raise MissingWeightsError(missing[0])
+            params = [params[p["name"]] for p in self.meta["params"]]
         self.params = [p if isinstance(p, tvm.runtime.Tensor) else tvm.runtime.tensor(p, self.device)
                        for p in params]
-        self.dtype = metadata["activation_dtype"]
-        self.chunk = int(metadata["prefill_chunk_size"])
-        self.context = int(metadata["context_window_size"])
+        self.dtype = self.meta["activation_dtype"]
+        self.chunk = int(self.meta["prefill_chunk_size"])
+        self.context = int(self.meta["context_window_size"])
         self.kv = None
         self.reset()
-
-    @classmethod
-    def from_library(cls, library: Any, params: list[Any]):
-        vm = relax.VirtualMachine(tvm.runtime.load_module(str(library)) if isinstance(library, (str, Path))
-                                  else library, tvm.cpu())
-        return cls(library, params, json.loads(vm["_metadata"]()))
 
     def reset(self) -> None:
         """Drop the conversation: a fresh KV cache with one empty sequence."""
@@ -57,7 +63,7 @@ class Engine:
         if self.length + len(ids) > self.context:
             raise RuntimeError(f"context window of {self.context} tokens is full")
         emb = self.vm["embed"](tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device), self.params)
-        emb = tvm.runtime.tensor(emb.numpy().reshape(1, len(ids), -1), self.device)
+        emb = emb._create_view((1, len(ids), emb.shape[-1]))   # [n, h] -> [1, n, h], no copy
         _builtin("vm.builtin.kv_state_begin_forward")(self.kv, ShapeTuple([0]), ShapeTuple([len(ids)]))
         logits, self.kv = self.vm[fn](emb, self.kv, self.params)
         _builtin("vm.builtin.kv_state_end_forward")(self.kv)

@@ -31,21 +31,14 @@ class Bundle:
                                 fix="rebuild it with --weights DIR")
 
     def engine(self):
-        import tvm
-
-        from .engine import Engine
+        from .engine import Engine, MissingWeightsError
         from .tensor_cache import read_tensor_cache
 
-        lib = tvm.runtime.load_module(str(self.library))
-        from tvm import relax
-
-        meta = json.loads(relax.VirtualMachine(lib, tvm.cpu())["_metadata"]())
-        arrays = read_tensor_cache(self.path)
-        missing = [p["name"] for p in meta["params"] if p["name"] not in arrays]
-        if missing:
-            raise PipelineError(f"weights lack {missing[0]}", path=self.path / "tensor-cache.json",
-                                fix="rebuild the bundle")
-        return Engine(lib, [arrays[p["name"]] for p in meta["params"]], meta)
+        try:
+            return Engine(self.library, read_tensor_cache(self.path))
+        except MissingWeightsError as err:
+            raise PipelineError(f"weights lack {err.args[0]}", path=self.path / "tensor-cache.json",
+                                fix="rebuild the bundle") from None
 
     def tokenizer(self):
         from transformers import AutoTokenizer

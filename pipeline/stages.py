@@ -8,6 +8,7 @@ rebuild only re-checks keys and re-emits the bundle.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+@functools.cache
 def source_hash() -> str:
     """Content hash of the pipeline's own code: a changed pass or kernel invalidates cached outputs."""
     h = hashlib.sha256()
