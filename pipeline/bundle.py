@@ -22,7 +22,7 @@ from .errors import PipelineError, WeightsError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-_REBUILD = "rebuild the bundle (rerun `python -m pipeline build` for it)"
+REBUILD_FIX = "rebuild the bundle (rerun `python -m pipeline build` for it)"
 _DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -199,17 +199,24 @@ def write_manifest(bundle_dir: Path, *, build_key: str, tool_versions: dict, ext
     return manifest
 
 
-def read_manifest(bundle_dir: Path) -> dict:
-    path = Path(bundle_dir) / MANIFEST
+def read_bundle_json(path: Path, *, missing: str, list_key: str, no_list: str) -> dict:
+    """A bundle's JSON index (manifest, tensor cache) as a dict holding a list under `list_key`; every
+    way it can be broken is a WeightsError naming the file, with the fix (rebuild)."""
+    path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise WeightsError("manifest.json is missing (not a complete bundle)", path=path, fix=_REBUILD) from None
+        raise WeightsError(missing, path=path, fix=REBUILD_FIX) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise WeightsError(f"manifest.json is not valid JSON ({err})", path=path, fix=_REBUILD) from None
-    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
-        raise WeightsError("manifest.json has no file list", path=path, fix=_REBUILD)
+        raise WeightsError(f"{path.name} is not valid JSON ({err})", path=path, fix=REBUILD_FIX) from None
+    if not isinstance(data, dict) or not isinstance(data.get(list_key), list):
+        raise WeightsError(no_list, path=path, fix=REBUILD_FIX)
     return data
+
+
+def read_manifest(bundle_dir: Path) -> dict:
+    return read_bundle_json(Path(bundle_dir) / MANIFEST, missing="manifest.json is missing (not a complete bundle)",
+                            list_key="files", no_list="manifest.json has no file list")
 
 
 def verify_manifest(bundle_dir: Path, *, allow_unlisted: bool = False) -> None:
@@ -225,20 +232,20 @@ def verify_manifest(bundle_dir: Path, *, allow_unlisted: bool = False) -> None:
         pure = PurePosixPath(rel)
         if pure.is_absolute() or ".." in pure.parts:
             raise WeightsError(f"manifest.json lists an unsafe path {rel!r}", path=bundle_dir / MANIFEST,
-                               fix=_REBUILD)
+                               fix=REBUILD_FIX)
         listed.add(rel)
         path = bundle_dir / rel
         if not path.is_file():
-            raise WeightsError(f"{rel} is missing (listed in manifest.json)", path=path, fix=_REBUILD)
+            raise WeightsError(f"{rel} is missing (listed in manifest.json)", path=path, fix=REBUILD_FIX)
         size = path.stat().st_size
         if size != entry["size"]:
             raise WeightsError(f"{rel} has {size} bytes, manifest.json says {entry['size']}", path=path,
-                               fix=_REBUILD)
+                               fix=REBUILD_FIX)
         if _sha256(path) != entry["sha256"]:
             raise WeightsError(f"{rel} was modified or is corrupt (sha256 differs from manifest.json)",
-                               path=path, fix=_REBUILD)
+                               path=path, fix=REBUILD_FIX)
     if not allow_unlisted:
         for rel in _bundle_files(bundle_dir):
             if rel not in listed:
                 raise WeightsError(f"{rel} is not listed in manifest.json", path=bundle_dir / rel,
-                                   fix=f"remove it, or {_REBUILD}")
+                                   fix=f"remove it, or {REBUILD_FIX}")

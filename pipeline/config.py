@@ -6,7 +6,6 @@ models, a path) into a dataclass with a clear error when it is unknown or malfor
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,13 +79,11 @@ class TargetSpec:
 
 def _host_cpu() -> str | None:
     """LLVM's name for this CPU, so host-cpu builds use its vector units (AVX2 etc.)."""
-    try:
-        import tvm_ffi
+    import tvm  # noqa: F401 - loads libtvm, which registers the LLVM helpers
+    import tvm_ffi
 
-        name = tvm_ffi.get_global_func("tvm.codegen.llvm.GetHostCPUName", allow_missing=True)
-        return str(name()) if name else None
-    except Exception:  # noqa: BLE001 - best effort; generic x86-64 still works
-        return None if platform.machine() else None
+    name = tvm_ffi.get_global_func("tvm.codegen.llvm.GetHostCPUName", allow_missing=True)
+    return str(name()) if name else None   # None: a generic CPU of this architecture still works
 
 
 @dataclass(frozen=True)

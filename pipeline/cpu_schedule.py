@@ -12,46 +12,13 @@ from tvm.s_tir.dlight.base import ScheduleRule
 
 
 class CPUInlineParallel(ScheduleRule):
-    @staticmethod
-    def _plain(func):
-        sch = s_tir.Schedule(func)
-        root = sch.get_sblock("root")
-        for block in sch.get_child_blocks(root)[:-1]:
-            try:
-                sch.compute_inline(block)
-            except Exception:  # noqa: BLE001
-                continue
-        last = sch.get_child_blocks(root)[-1]
-        loops, kinds = sch.get_loops(last), _iter_kinds(sch, sch.get_child_blocks(root)[-1])
-        spatial = [lp for lp, kd in zip(loops, kinds, strict=False) if kd == "S"][: len(loops)]
-        if spatial:
-            sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
-        return sch
-
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
-        sch = s_tir.Schedule(func)
-        root = sch.get_sblock("root") if _has_root(sch) else None
-        blocks = sch.get_child_blocks(root) if root is not None else []
-        if not blocks:
+        prepared = _inline_producers(func)
+        if prepared is None:
             return None
-        for block in blocks[:-1]:
-            try:
-                sch.compute_inline(block)
-            except Exception:  # noqa: BLE001 - not inlinable (reduction / multi-consumer): keep it
-                continue
-        last = sch.get_child_blocks(root)[-1]
-        loops = sch.get_loops(last)
-        kinds = _iter_kinds(sch, last)
-        spatial = []
-        for loop, kind in zip(loops, kinds, strict=False):
-            if kind != "S":
-                break
-            spatial.append(loop)
-        if not spatial:
-            return None
-        reduction = loops[len(spatial):]
+        sch, last, spatial, reduction = prepared
         # Vector lanes along the output dim: contiguous loads for KN q4 codes; for NK codes they gather,
         # which measured still 2x faster than a scalar loop (the unpacking dominates). Float NT weights
         # stay plain parallel.
@@ -60,11 +27,35 @@ class CPUInlineParallel(ScheduleRule):
             try:
                 _matmul_vectorized(sch, last, spatial, reduction[0])
                 return sch
-            except Exception:  # noqa: BLE001 - fall back to the plain parallel form
-                return CPUInlineParallel._plain(func)
-        fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
-        sch.parallel(fused)
+            except Exception:  # noqa: BLE001 - fall back to the plain parallel form on a fresh schedule
+                sch, last, spatial, reduction = _inline_producers(func)
+        sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
         return sch
+
+
+def _inline_producers(func: tirx.PrimFunc):
+    """Inline every inlinable block into the last one; return (sch, last block, its leading spatial
+    loops, the loops after them), or None when there is nothing to parallelize."""
+    sch = s_tir.Schedule(func)
+    root = sch.get_sblock("root") if _has_root(sch) else None
+    blocks = sch.get_child_blocks(root) if root is not None else []
+    if not blocks:
+        return None
+    for block in blocks[:-1]:
+        try:
+            sch.compute_inline(block)
+        except Exception:  # noqa: BLE001 - not inlinable (reduction / multi-consumer): keep it
+            continue
+    last = sch.get_child_blocks(root)[-1]
+    loops = sch.get_loops(last)
+    spatial = []
+    for loop, kind in zip(loops, _iter_kinds(sch, last), strict=False):
+        if kind != "S":
+            break
+        spatial.append(loop)
+    if not spatial:
+        return None
+    return sch, last, spatial, loops[len(spatial):]
 
 
 VEC = 8   # fp32 lanes of an AVX2 / 2×NEON register
@@ -95,8 +86,4 @@ def _has_root(sch) -> bool:
 
 
 def _iter_kinds(sch, block) -> list[str]:
-    stmt = sch.get(block)
-    out = []
-    for iv in stmt.iter_vars:
-        out.append("S" if int(iv.iter_type) == 0 else "R")
-    return out
+    return ["S" if int(iv.iter_type) == 0 else "R" for iv in sch.get(block).iter_vars]

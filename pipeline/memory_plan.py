@@ -60,7 +60,9 @@ Totals and phone
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 __all__ = ["memory_plan", "plan_markdown", "QUANT_MODES", "DTYPE_BYTES"]
 
@@ -93,9 +95,7 @@ def _output_gate(cfg: dict) -> bool:
 
 def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
     """Bytes of one tensor and its precision label under ``quant``."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if quant == "q0f32":
         return n * 4, "float32"
     if quant == "q0f16":
@@ -126,30 +126,63 @@ def _layer_types(cfg: dict) -> list[str]:
     return types
 
 
+class _GDN(NamedTuple):
+    kh: int
+    vh: int
+    kd: int
+    vd: int
+    kernel: int
+    conv_dim: int      # channels of the causal conv: q, k (key heads x key dim) and v
+
+
+class _Dims(NamedTuple):
+    """The config fields both the weight count and the plan read, parsed once."""
+
+    hidden: int
+    inter: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    types: list[str]
+    n_full: int
+    n_lin: int
+    q_out: int         # q_proj outputs (doubled by the attention output gate)
+    gdn: _GDN | None
+
+
+def _dims(cfg: dict) -> _Dims:
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    types = _layer_types(cfg)
+    n_lin = types.count("linear_attention")
+    gdn = None
+    if n_lin:
+        kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+        kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+        gdn = _GDN(kh, vh, kd, vd, int(cfg["linear_conv_kernel_dim"]), 2 * kh * kd + vh * vd)
+    return _Dims(hidden=hidden, inter=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]), heads=heads,
+                 kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+                 tied=bool(cfg.get("tie_word_embeddings", False)), types=types,
+                 n_full=types.count("full_attention"), n_lin=n_lin,
+                 q_out=heads * head_dim * (2 if _output_gate(cfg) else 1), gdn=gdn)
+
+
 def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
     """(group, shape, count) for every weight tensor of the text model."""
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         raise ValueError("mixture-of-experts configs are not supported by memory_plan")
     mt = cfg.get("model_type") or ""
-    hidden = int(cfg["hidden_size"])
-    inter = int(cfg["intermediate_size"])
-    vocab = int(cfg["vocab_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    types = _layer_types(cfg)
-    n_full = types.count("full_attention")
-    n_lin = types.count("linear_attention")
-    n_layers = len(types)
-
-    q_out = heads * head_dim * (2 if _output_gate(cfg) else 1)
-    kv_out = kv_heads * head_dim
+    d = _dims(cfg)
+    hidden, inter, vocab, heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.head_dim
+    n_full, n_lin, n_layers, q_out = d.n_full, d.n_lin, len(d.types), d.q_out
+    kv_out = d.kv_heads * head_dim
     attn_bias = bool(cfg.get("attention_bias", False))
     qkv_bias = attn_bias or mt == "qwen2"
 
     t: list[tuple[str, tuple[int, ...], int]] = [("embedding", (vocab, hidden), 1)]
-    if not tied:
+    if not d.tied:
         t.append(("lm_head", (vocab, hidden), 1))
     t.append(("norms", (hidden,), 2 * n_layers + 1))  # input / post-attention per layer + final
     if n_full:
@@ -169,11 +202,8 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
         if mt in _QK_NORM_TYPES:
             t.append(("attn_qk_norm", (head_dim,), 2 * n_full))
     if n_lin:
-        kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
-        kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-        kernel = int(cfg["linear_conv_kernel_dim"])
-        key_dim, value_dim = kh * kd, vh * vd
-        conv_dim = 2 * key_dim + value_dim
+        vh, vd, kernel, conv_dim = d.gdn.vh, d.gdn.vd, d.gdn.kernel, d.gdn.conv_dim
+        value_dim = vh * vd
         t += [
             ("gdn_in_proj_qkv", (conv_dim, hidden), n_lin),
             ("gdn_in_proj_z", (value_dim, hidden), n_lin),
@@ -198,9 +228,7 @@ def _weights(cfg: dict, quant: str) -> dict[str, dict]:
     groups: dict[str, dict] = {}
     for group, shape, count in _tensors(cfg):
         nbytes, precision = _tensor_bytes(shape, quant)
-        params = 1
-        for d in shape:
-            params *= d
+        params = math.prod(shape)
         g = groups.setdefault(group, {"params": 0, "bytes": 0, "precision": precision})
         g["params"] += params * count
         g["bytes"] += nbytes * count
@@ -225,16 +253,9 @@ def memory_plan(
         raise ValueError(f"unknown compute_dtype {compute_dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
     cfg = _text_config(hf_config)
     act_b = DTYPE_BYTES[compute_dtype]
-    hidden = int(cfg["hidden_size"])
-    inter = int(cfg["intermediate_size"])
-    vocab = int(cfg["vocab_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    types = _layer_types(cfg)
-    n_full = types.count("full_attention")
-    n_lin = types.count("linear_attention")
+    d = _dims(cfg)
+    hidden, inter, vocab, heads, kv_heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.kv_heads, d.head_dim
+    tied, types, n_full, n_lin = d.tied, d.types, d.n_full, d.n_lin
 
     groups = _weights(cfg, quant)
     total_params = sum(g["params"] for g in groups.values())
@@ -251,14 +272,10 @@ def memory_plan(
     gdn_state = conv_state = 0
     widths = [2 * inter, 4 * hidden]
     if n_full:
-        q_out = heads * head_dim * (2 if _output_gate(cfg) else 1)
-        widths.append(q_out + 2 * kv_heads * head_dim + heads * head_dim)
+        widths.append(d.q_out + 2 * kv_heads * head_dim + heads * head_dim)
     gdn_workspace = 0
     if n_lin:
-        kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
-        kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-        kernel = int(cfg["linear_conv_kernel_dim"])
-        conv_dim = 2 * kh * kd + vh * vd
+        vh, kd, vd, kernel, conv_dim = d.gdn.vh, d.gdn.kd, d.gdn.vd, d.gdn.kernel, d.gdn.conv_dim
         gdn_state = n_lin * vh * kd * vd * 4
         conv_state = n_lin * conv_dim * (kernel - 1) * act_b
         widths.append(2 * conv_dim + vh * vd + 2 * vh)

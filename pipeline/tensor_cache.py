@@ -27,12 +27,12 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
+from .bundle import REBUILD_FIX, read_bundle_json
 from .errors import WeightsError
 
 INDEX = "tensor-cache.json"
 SHARD_PREFIX = "params_shard"
 DEFAULT_SHARD_CAP = 32 * 2**20
-_REBUILD = "rebuild the bundle (rerun `python -m pipeline build` for it)"
 
 # dtype string in tensor-cache.json <-> numpy dtype. Names follow TVM's DataType spelling.
 _DTYPES: dict[str, np.dtype] = {
@@ -200,16 +200,8 @@ class TensorCacheWriter:
 
 # ---------------------------------------------------------------------------------------------- reading
 def _load_index(folder: Path) -> dict:
-    path = Path(folder) / INDEX
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise WeightsError("tensor-cache.json is missing", path=path, fix=_REBUILD) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise WeightsError(f"tensor-cache.json is not valid JSON ({err})", path=path, fix=_REBUILD) from None
-    if not isinstance(index, dict) or not isinstance(index.get("records"), list):
-        raise WeightsError("tensor-cache.json has no shard list ('records')", path=path, fix=_REBUILD)
-    return index
+    return read_bundle_json(Path(folder) / INDEX, missing="tensor-cache.json is missing", list_key="records",
+                            no_list="tensor-cache.json has no shard list ('records')")
 
 
 def iter_records(folder: Path) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -237,19 +229,19 @@ def _check_shard(folder: Path, shard: dict, verify: bool) -> Path:
     path = folder / name
     if shard.get("format", "raw-shard") != "raw-shard":
         raise WeightsError(f"shard {name} has format {shard.get('format')!r}, not 'raw-shard'",
-                           path=path, fix=_REBUILD)
+                           path=path, fix=REBUILD_FIX)
     if not path.is_file():
-        raise WeightsError(f"weight shard {name} is missing", path=path, fix=_REBUILD)
+        raise WeightsError(f"weight shard {name} is missing", path=path, fix=REBUILD_FIX)
     size = path.stat().st_size
     if size != shard["nbytes"]:
         what = "truncated" if size < shard["nbytes"] else "too long"
         raise WeightsError(f"weight shard {name} is {what}: {size} bytes, tensor-cache.json says {shard['nbytes']}",
-                           path=path, fix=_REBUILD)
+                           path=path, fix=REBUILD_FIX)
     if verify and shard.get("md5sum"):
         actual = _md5_of(path)
         if actual != shard["md5sum"]:
             raise WeightsError(f"weight shard {name} is corrupt: md5 {actual} != {shard['md5sum']} "
-                               "recorded in tensor-cache.json", path=path, fix=_REBUILD)
+                               "recorded in tensor-cache.json", path=path, fix=REBUILD_FIX)
     return path
 
 
@@ -268,17 +260,17 @@ def read_tensor_cache(folder: Path, verify: bool = True) -> dict[str, np.ndarray
             name = rec["name"]
             if rec.get("format", "raw") != "raw":
                 raise WeightsError(f"tensor {name} uses encoding {rec['format']!r}; only 'raw' is supported",
-                                   path=path, fix=_REBUILD)
+                                   path=path, fix=REBUILD_FIX)
             dtype = _DTYPES.get(rec["dtype"])
             if dtype is None:
                 raise WeightsError(f"tensor {name} has unsupported dtype {rec['dtype']!r}", path=path,
-                                   fix=_REBUILD)
+                                   fix=REBUILD_FIX)
             shape = tuple(int(d) for d in rec["shape"])
             count = math.prod(shape)
             offset, nbytes = int(rec["byteOffset"]), int(rec["nbytes"])
             if count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > shard["nbytes"]:
                 raise WeightsError(f"tensor {name} does not fit its record (shape {list(shape)} {rec['dtype']}, "
-                                   f"{nbytes} bytes at offset {offset})", path=path, fix=_REBUILD)
+                                   f"{nbytes} bytes at offset {offset})", path=path, fix=REBUILD_FIX)
             arr = np.fromfile(path, dtype=dtype.newbyteorder("<"), count=count, offset=offset)
             out[name] = arr.astype(dtype, copy=False).reshape(shape)
     return out

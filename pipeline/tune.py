@@ -40,7 +40,7 @@ class KernelSchedule:
     on_device: bool
 
 
-def _is_scheduled(func: tirx.PrimFunc) -> bool:
+def is_scheduled(func: tirx.PrimFunc) -> bool:
     return bool(func.attrs and "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]))
 
 
@@ -63,7 +63,7 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target, rule_names: tu
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc):
                 continue
-            if _is_scheduled(func):
+            if is_scheduled(func):
                 records.append(KernelSchedule(gv.name_hint, "library", True))
                 continue
             for rule_name, rule in rules:

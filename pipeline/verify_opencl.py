@@ -29,6 +29,7 @@ import tvm
 from tvm import ir, tirx
 
 from .errors import CompileError
+from .tune import has_thread_binding, is_scheduled
 
 # Adreno OpenCL device code; the host part is this machine so that the host side can be lowered here.
 ADRENO_TARGET: dict = {"kind": "opencl", "device": "adreno", "host": {"kind": "llvm"}}
@@ -68,16 +69,6 @@ def default_gpu_rules(target) -> list:
     return rules
 
 
-def _has_thread_binding(func: tirx.PrimFunc) -> bool:
-    text = func.script()
-    return "blockIdx" in text or "threadIdx" in text
-
-
-def _is_scheduled(func: tirx.PrimFunc) -> bool:
-    attrs = func.attrs
-    return bool(attrs is not None and "tirx.is_scheduled" in attrs and int(attrs["tirx.is_scheduled"]))
-
-
 def schedule_for_gpu(func: tirx.PrimFunc, target, rules: Sequence | None = None) -> tvm.IRModule:
     """Schedule ``func`` with dlight GPU rules under ``target``; return ``IRModule({"main": scheduled})``.
 
@@ -89,7 +80,7 @@ def schedule_for_gpu(func: tirx.PrimFunc, target, rules: Sequence | None = None)
     target = _as_target(target)
     name = str(func.attrs["global_symbol"]) if func.attrs is not None and "global_symbol" in func.attrs \
         else "main"
-    if _is_scheduled(func) and _has_thread_binding(func):
+    if is_scheduled(func) and has_thread_binding(func):
         return tvm.IRModule({"main": func})
     rule_list = list(rules) if rules is not None else default_gpu_rules(target)
     scheduled = None
@@ -101,7 +92,7 @@ def schedule_for_gpu(func: tirx.PrimFunc, target, rules: Sequence | None = None)
             sch = space[0] if isinstance(space, list | tuple) else space
             scheduled = sch.mod["main"].with_attr("tirx.is_scheduled", True)
             break
-    if scheduled is None or not _has_thread_binding(scheduled):
+    if scheduled is None or not has_thread_binding(scheduled):
         tried = ", ".join(type(r).__name__ for r in rule_list)
         raise CompileError(f"PrimFunc {name!r} was not scheduled for the GPU by any of [{tried}]",
                            fix="add a schedule rule (e.g. dl.gpu.Fallback) or schedule it by hand")
@@ -360,7 +351,7 @@ def opencl_kernels(mod: tvm.IRModule | tirx.PrimFunc, target=None) -> OpenCLProg
         mod = tvm.IRModule({"main": mod})
     # TVM would silently compile an unscheduled function into host code; refuse it up front.
     unscheduled = [gv.name_hint for gv, f in mod.functions_items()
-                   if isinstance(f, tirx.PrimFunc) and not _has_thread_binding(f)]
+                   if isinstance(f, tirx.PrimFunc) and not has_thread_binding(f)]
     if unscheduled:
         raise CompileError(f"function(s) {', '.join(sorted(unscheduled))} have no GPU thread bindings and "
                            "would run as host code", fix="schedule them first (schedule_for_gpu)")

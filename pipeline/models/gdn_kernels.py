@@ -57,8 +57,11 @@ def _check(Hk: int, Hv: int, Dk: int, Dv: int) -> None:
         raise ValueError(f"the number of value heads ({Hv}) must be a multiple of the key heads ({Hk})")
 
 
-def _loops(Dv: int, gpu: bool, max_threads: int):
-    """Loop constructors and extents for the (head x column-block, column-in-block) pair of loops."""
+def _setup(Hk: int, Hv: int, Dk: int, Dv: int, scale: float | None, gpu: bool, max_threads: int):
+    """What both kernels need before their body: value heads per key head, the output scale, the loop
+    constructors and extents of the (head x column-block, column-in-block) loops, and whether the last
+    column block needs a bounds guard."""
+    _check(Hk, Hv, Dk, Dv)
     threads = min(Dv, max_threads)
     blocks_per_head = -(-Dv // threads)
     if gpu:
@@ -66,7 +69,8 @@ def _loops(Dv: int, gpu: bool, max_threads: int):
         inner = functools.partial(T.thread_binding, thread="threadIdx.x")
     else:
         outer, inner = T.parallel, T.serial
-    return outer, inner, threads, blocks_per_head
+    scale = float(Dk) ** -0.5 if scale is None else float(scale)
+    return Hv // Hk, scale, outer, inner, threads, blocks_per_head, Dv % threads != 0
 
 
 def _finish(func: tirx.PrimFunc, name: str, gpu: bool) -> tirx.PrimFunc:
@@ -80,11 +84,7 @@ def _finish(func: tirx.PrimFunc, name: str, gpu: bool) -> tirx.PrimFunc:
 def gdn_decode(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, scale: float | None = None,
                gpu: bool = False, max_threads: int = 128, name: str = "gdn_decode") -> tirx.PrimFunc:
     """One-token gated delta rule step (see the module docstring for buffers and math)."""
-    _check(Hk, Hv, Dk, Dv)
-    group = Hv // Hk
-    scale = float(Dk) ** -0.5 if scale is None else float(scale)
-    outer, inner, threads, bph = _loops(Dv, gpu, max_threads)
-    guard = Dv % threads != 0
+    group, scale, outer, inner, threads, bph, guard = _setup(Hk, Hv, Dk, Dv, scale, gpu, max_threads)
 
     @T.prim_func
     def gdn_decode_func(q: T.Buffer((Hk, Dk), dtype), k: T.Buffer((Hk, Dk), dtype),
@@ -117,11 +117,7 @@ def gdn_decode(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, sc
 def gdn_prefill(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, scale: float | None = None,
                 gpu: bool = False, max_threads: int = 128, name: str = "gdn_prefill") -> tirx.PrimFunc:
     """Exact gated delta rule over a symbolic number of tokens ``n`` (sequential scan per work item)."""
-    _check(Hk, Hv, Dk, Dv)
-    group = Hv // Hk
-    scale = float(Dk) ** -0.5 if scale is None else float(scale)
-    outer, inner, threads, bph = _loops(Dv, gpu, max_threads)
-    guard = Dv % threads != 0
+    group, scale, outer, inner, threads, bph, guard = _setup(Hk, Hv, Dk, Dv, scale, gpu, max_threads)
 
     @T.prim_func
     def gdn_prefill_func(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, beta_h: T.handle,

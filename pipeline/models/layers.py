@@ -37,6 +37,16 @@ def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: i
         name=f"dequantize_{layout.lower()}")
 
 
+def dequantized_t(q_weight: Tensor, q_scale: Tensor, layout: str, k: int, n: int, dtype: str) -> Tensor:
+    """W^T [k, n] from packed codes, as its own call so the fuse stage can fold it into the matmul."""
+    return op.tensor_expr_op(lambda w, s: dequantize_te(w, s, layout, k, n, dtype),
+                             f"dequantize_q4_{layout.lower()}", [q_weight, q_scale])
+
+
+def _as(x: Tensor, dtype: str) -> Tensor:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 class FloatLinear(nn.Module):
     """y = x W^T (+ b), weight stored [out, in] like HF."""
 
@@ -46,11 +56,8 @@ class FloatLinear(nn.Module):
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight if self.weight.dtype == x.dtype else self.weight.astype(x.dtype)
-        y = op.matmul(x, op.permute_dims(w))
-        if self.bias is None:
-            return y
-        return y + (self.bias if self.bias.dtype == x.dtype else self.bias.astype(x.dtype))
+        y = op.matmul(x, op.permute_dims(_as(self.weight, x.dtype)))
+        return y if self.bias is None else y + _as(self.bias, x.dtype)
 
 
 class Q4Linear(nn.Module):
@@ -68,14 +75,10 @@ class Q4Linear(nn.Module):
             self.q_scale = nn.Parameter((k // GROUP, n), scale_dtype)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
-    def dequantized_t(self) -> Tensor:
-        k, n, layout, dtype = self.in_features, self.out_features, self.layout, self.dtype
-        return op.tensor_expr_op(
-            lambda w, s: dequantize_te(w, s, layout, k, n, dtype),
-            f"dequantize_q4_{layout.lower()}", [self.q_weight, self.q_scale])
-
     def forward(self, x: Tensor) -> Tensor:
-        y = op.matmul(x, self.dequantized_t())
+        w_t = dequantized_t(self.q_weight, self.q_scale, self.layout, self.in_features, self.out_features,
+                            self.dtype)
+        y = op.matmul(x, w_t)
         return y + self.bias if self.bias is not None else y
 
 
@@ -85,13 +88,11 @@ class FloatEmbedding(nn.Module):
         self.weight = nn.Parameter((num, dim), dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
-        rows = op.take(self.weight, ids, axis=0)
-        return rows if rows.dtype == self.dtype else rows.astype(self.dtype)
+        return _as(op.take(self.weight, ids, axis=0), self.dtype)
 
     def lm_head(self, h: Tensor) -> Tensor:
         """Tied output projection: h @ E^T."""
-        w = self.weight if self.weight.dtype == h.dtype else self.weight.astype(h.dtype)
-        return op.matmul(h, op.permute_dims(w))
+        return op.matmul(h, op.permute_dims(_as(self.weight, h.dtype)))
 
 
 class Q4Embedding(nn.Module):
@@ -114,10 +115,7 @@ class Q4Embedding(nn.Module):
         return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [rows, scales])
 
     def lm_head(self, h: Tensor) -> Tensor:
-        k, n, dtype = self.dim, self.num, self.dtype
-        w_t = op.tensor_expr_op(lambda w, s: dequantize_te(w, s, "NK", k, n, dtype),
-                                "dequantize_q4_nk", [self.q_weight, self.q_scale])
-        return op.matmul(h, w_t)
+        return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, "NK", self.dim, self.num, self.dtype))
 
 
 @dataclass

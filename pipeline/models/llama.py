@@ -8,7 +8,6 @@ through `layers.make_linear`, so the model code does not know about quantization
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -295,7 +294,3 @@ def _last_token(h: Tensor) -> Tensor:
         return te.compute((b, 1, d), lambda i, _, k: x[i, s - 1, k], name="last_token")
 
     return op.tensor_expr_op(last, "last_token", [h])
-
-
-def metadata_json(meta: dict[str, Any]) -> str:
-    return json.dumps(meta, sort_keys=True)
