@@ -15,7 +15,11 @@ import numpy as np
 from .errors import WeightsError
 from .quantize import quantize_q4
 
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         # Gated DeltaNet (Qwen3.5): one input GEMV instead of four
+         "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+# Where multimodal checkpoints keep the text model (Qwen3_5ForConditionalGeneration).
+TEXT_PREFIXES = ("model.language_model.",)
 QUANT_SUFFIXES = (".q_weight", ".q_scale")
 
 
@@ -29,10 +33,23 @@ def hf_sources(param: str) -> tuple[list[str], str]:
     return [f"{base}.{src_leaf}"], src_leaf
 
 
+def checkpoint_name(ckpt: Any, name: str) -> str:
+    """`name` as the checkpoint spells it: text-only names (model.layers...) may sit under the text prefix
+    of a multimodal checkpoint (model.language_model.layers...)."""
+    if name in ckpt or not name.startswith("model."):
+        return name
+    for prefix in TEXT_PREFIXES:
+        alt = prefix + name[len("model."):]
+        if alt in ckpt:
+            return alt
+    return name
+
+
 def _load_source(ckpt: Any, param: str, tied: bool) -> np.ndarray:
     names, _ = hf_sources(param)
     if tied and names == ["lm_head.weight"]:
         names = ["model.embed_tokens.weight"]
+    names = [checkpoint_name(ckpt, n) for n in names]
     missing = [n for n in names if n not in ckpt]
     if missing:
         raise WeightsError(f"tensor {missing[0]!r} (needed for {param}) is not in the checkpoint",

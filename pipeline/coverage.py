@@ -30,7 +30,11 @@ PREFILL_FUNCS = ("prefill", "embed")
 EFFECTIVE_BANDWIDTH = 0.6
 
 OP_CLASSES = ("dequant-gemv", "dequant-matmul", "gemv", "matmul", "rmsnorm", "attention", "rope", "kv-cache",
-              "gather", "elementwise", "injective", "reduction", "other")
+              "gdn-recurrence", "gdn-conv", "rnn-state", "gather", "elementwise", "injective", "reduction", "other")
+
+# Gated-DeltaNet (hybrid models): the delta-rule scan, its conv/gates, and the RNN-state copies.
+_GDN_CLASSES = (("gdn_prefill", "gdn-recurrence"), ("gdn_decode", "gdn-recurrence"), ("gdn_conv1d", "gdn-conv"),
+                ("conv_state", "gdn-conv"), ("gdn_gates", "gdn-conv"), ("rnn_state", "rnn-state"))
 
 _ATTENTION_NAMES = ("batch_prefill_paged_kv", "batch_decode_paged_kv", "batch_prefill_ragged_kv", "tree_attn",
                     "attention", "merge_state")
@@ -117,6 +121,9 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
     """Op class of a kernel from its name (TVM library kernels, normalisations) and structure."""
     text = text if text is not None else func.script()
     low = name.lower()
+    for key, cls in _GDN_CLASSES:
+        if key in low:
+            return cls
     if any(k in low for k in _KV_NAMES):
         return "kv-cache"
     if any(k in low for k in _ATTENTION_NAMES):

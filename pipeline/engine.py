@@ -48,7 +48,8 @@ class Engine:
         self.dtype = self.meta["activation_dtype"]
         self.chunk = int(self.meta["prefill_chunk_size"])
         self.context = int(self.meta["context_window_size"])
-        self.kv = None
+        self.hybrid = self.meta.get("kv_state_kind") == "hybrid"
+        self.kv = self.rnn = None
         self.reset()
 
     def reset(self) -> None:
@@ -57,16 +58,27 @@ class Engine:
             ShapeTuple([1]), ShapeTuple([self.context]), ShapeTuple([self.chunk]),
             ShapeTuple([PAGE_SIZE]), ShapeTuple([0]))
         _builtin("vm.builtin.kv_state_add_sequence")(self.kv, 0)
+        if self.hybrid:   # GDN conv + delta-rule states, zeroed for the new sequence
+            self.rnn = self.vm["create_rnn_state"](ShapeTuple([1]), ShapeTuple([1]))
+            _builtin("vm.builtin.kv_state_add_sequence")(self.rnn, 0)
         self.length = 0
+
+    @property
+    def states(self) -> list[Any]:
+        """The KV cache, then (hybrid models) the RNN state: what prefill/decode take and return."""
+        return [self.kv, self.rnn] if self.hybrid else [self.kv]
 
     def _forward(self, fn: str, ids: list[int]) -> np.ndarray:
         if self.length + len(ids) > self.context:
             raise RuntimeError(f"context window of {self.context} tokens is full")
         emb = self.vm["embed"](tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device), self.params)
         emb = emb._create_view((1, len(ids), emb.shape[-1]))   # [n, h] -> [1, n, h], no copy
-        _builtin("vm.builtin.kv_state_begin_forward")(self.kv, ShapeTuple([0]), ShapeTuple([len(ids)]))
-        logits, self.kv = self.vm[fn](emb, self.kv, self.params)
-        _builtin("vm.builtin.kv_state_end_forward")(self.kv)
+        for state in self.states:
+            _builtin("vm.builtin.kv_state_begin_forward")(state, ShapeTuple([0]), ShapeTuple([len(ids)]))
+        logits, *states = self.vm[fn](emb, *self.states, self.params)
+        self.kv, self.rnn = (states + [None])[:2]
+        for state in self.states:
+            _builtin("vm.builtin.kv_state_end_forward")(state)
         self.length += len(ids)
         return logits.numpy()
 

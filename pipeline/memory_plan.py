@@ -23,8 +23,8 @@ Weights
     every tensor at 4 B, ``q0f16`` at 2 B. ``q4f16`` stores every 2-D matrix whose input (last,
     reduction) dimension is a multiple of 32 as 4-bit codes plus one fp16 scale per 32 weights
     (4.5 bits/weight; the embedding table is a [vocab, hidden] matrix and is quantized too, as in
-    MLC's q4f16_1); everything else (norms, biases, the depthwise conv1d, GDN ``A_log`` /
-    ``dt_bias``) stays fp16.
+    MLC's q4f16_1); everything else (norms, biases, the depthwise conv1d) stays fp16, except GDN
+    ``A_log`` / ``dt_bias``, which stay fp32.
 Weights read per decoded token
     All weight bytes except the embedding table, of which only one row is gathered; when the
     embeddings are tied, the lm_head reads the whole embedding matrix, so it is counted once.
@@ -227,8 +227,11 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
 def _weights(cfg: dict, quant: str) -> dict[str, dict]:
     groups: dict[str, dict] = {}
     for group, shape, count in _tensors(cfg):
-        nbytes, precision = _tensor_bytes(shape, quant)
         params = math.prod(shape)
+        if group == "gdn_decay":   # A_log / dt_bias stay fp32 in every scheme (exp of A_log overflows fp16)
+            nbytes, precision = 4 * params, "float32"
+        else:
+            nbytes, precision = _tensor_bytes(shape, quant)
         g = groups.setdefault(group, {"params": 0, "bytes": 0, "precision": precision})
         g["params"] += params * count
         g["bytes"] += nbytes * count

@@ -66,14 +66,14 @@ class Loaded:
 
 def load(spec: ModelSpec) -> Loaded:
     from .load import open_checkpoint
-    from .models.llama import DecoderConfig
+    from .models import config_from_hf
 
     ckpt = open_checkpoint(spec.weights) if spec.weights is not None else None
     hf = spec.hf_config or (ckpt.config if ckpt else None)
     if hf is None:
         raise PipelineError("no config and no weights", path=spec.path, fix="give --weights DIR")
     source = str(spec.path or spec.weights)
-    decoder = DecoderConfig.from_hf(hf, source=source, context_window_size=spec.context_window_size,
+    decoder = config_from_hf(hf, source=source, context_window_size=spec.context_window_size,
                                     prefill_chunk_size=spec.prefill_chunk_size)
     return Loaded(spec, hf, decoder, ckpt, ckpt.generation_config if ckpt else {})
 
@@ -90,14 +90,14 @@ class Defined:
 
 
 def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec) -> Defined:
+    from .models import model_class
     from .models.layers import LayerFactory
-    from .models.llama import DecoderLM
 
     layout = quant.layout_for(target)
     act = quant.activation_dtype(target)
     factory = LayerFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
                            layout=layout)
-    module = DecoderLM(loaded.decoder, factory, target.tvm())
+    module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
     return Defined(module, params, mod, layout, act)
 
@@ -110,6 +110,7 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
 
     if loaded.checkpoint is None:
         return None
+    _report_unused(loaded.checkpoint, report)
     key = _digest({"weights": loaded.checkpoint.fingerprint(), "quant": quant.name, "layout": defined.layout,
                    "params": [(n, [int(x) for x in p.shape], p.dtype) for n, p in defined.params],
                    "code": source_hash()})
@@ -127,6 +128,21 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
                 writer.add(name, arr)
                 advance(arr.nbytes)
     return out
+
+
+# Parts of multimodal / speculative checkpoints that text generation never reads.
+UNUSED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token-prediction head"}
+
+
+def _report_unused(ckpt: Any, report: Reporter) -> None:
+    names = ckpt.names()
+    skipped = []
+    for prefix, what in UNUSED_PREFIXES.items():
+        n = sum(1 for name in names if name.startswith(prefix))
+        if n:
+            skipped.append(f"{n} {what} tensors ({prefix}*)")
+    if skipped:
+        report.info(f"load: skipping {' and '.join(skipped)}: not needed for text generation")
 
 
 def fuse(defined: Defined, target: TargetSpec):

@@ -67,7 +67,10 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target, rule_names: tu
                 records.append(KernelSchedule(gv.name_hint, "library", True))
                 continue
             for rule_name, rule in rules:
-                space = rule.apply(func, target, False)
+                try:
+                    space = rule.apply(func, target, False)
+                except RuntimeError:   # a rule that matches but cannot finish (ScheduleError): let the next one try
+                    space = None
                 if space is None:
                     continue
                 sch = space[0] if isinstance(space, list) else space

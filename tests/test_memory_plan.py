@@ -34,7 +34,8 @@ def test_qwen27b_params_kv_state(qwen27b):
     assert params == pytest.approx(26.9e9, rel=0.03)
     # everything but the embedding gather (untied lm_head): ~25.6B
     assert plan["weights_read_per_token"]["params"] == pytest.approx(25.6e9, rel=0.03)
-    assert plan["weights_total"]["bytes"] == 2 * params
+    # fp16 everywhere except A_log / dt_bias (fp32)
+    assert plan["weights_total"]["bytes"] == 2 * params + 2 * plan["weights"]["gdn_decay"]["params"]
     # q_proj doubled by the output gate: 2 x 24 x 256 outputs
     assert plan["weights"]["attn_q"]["params"] == 16 * 2 * 24 * 256 * 5120
     # KV: 16 full layers x 2 x 4 kv heads x 256 x 2 B = 64 KiB/token
@@ -210,3 +211,24 @@ def test_tiny_qwen35_matches_transformers():
     assert plan["kv_cache"]["bytes_per_token"] == 1 * 2 * 2 * 32 * 2
     assert plan["recurrent_state"]["gdn_bytes"] == 3 * 4 * 16 * 16 * 4
     assert plan["recurrent_state"]["conv_bytes"] == 3 * (2 * 2 * 16 + 4 * 16) * 3 * 2
+
+
+@pytest.mark.parametrize("quant", ["q0f16", "q4f16"])
+def test_plan_bytes_equal_the_compiled_models_parameters(qwen27b, quant):
+    """The plan is computed from the config; the model definition declares the real parameters. They agree
+    byte for byte (a 4-layer cut of the real 27B config, phone target, so activations/norms are fp16)."""
+    import math
+
+    import numpy as np
+
+    from pipeline import stages
+    from pipeline.config import ModelSpec, load_quant, load_target
+
+    text = {**qwen27b["text_config"], "num_hidden_layers": 4,
+            "layer_types": qwen27b["text_config"]["layer_types"][:4]}
+    hf = {**qwen27b, "text_config": text}
+    spec = ModelSpec(name="cut", hf_config=hf, weights=None)
+    loaded = stages.load(spec)
+    defined = stages.define(loaded, load_quant(quant), load_target("android-adreno"))
+    real = sum(math.prod(int(x) for x in p.shape) * np.dtype(p.dtype).itemsize for _, p in defined.params)
+    assert memory_plan(hf, quant=quant)["weights_total"]["bytes"] == real

@@ -26,7 +26,8 @@ not divide ``Dv``. Not tuned: each work item keeps ``Dk`` floats in private memo
 head re-reads the same q/k rows (served by the cache), which is fine for decode (state-bandwidth bound)
 and a sequential, token-by-token prefill.
 
-Buffers (``dtype`` for activations, float32 for the state)::
+Buffers (``dtype`` for activations, float32 for the state; g and beta in ``gate_dtype``, default ``dtype`` —
+the model passes float32 so the log-space decay keeps its precision under fp16 activations)::
 
     gdn_decode:  q [Hk, Dk], k [Hk, Dk], v [Hv, Dv], g [Hv], beta [Hv],
                  state_in [Hv, Dk, Dv] f32  ->  o [Hv, Dv], state_out [Hv, Dk, Dv] f32
@@ -82,13 +83,15 @@ def _finish(func: tirx.PrimFunc, name: str, gpu: bool) -> tirx.PrimFunc:
 
 
 def gdn_decode(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, scale: float | None = None,
-               gpu: bool = False, max_threads: int = 128, name: str = "gdn_decode") -> tirx.PrimFunc:
+               gpu: bool = False, max_threads: int = 128, name: str = "gdn_decode",
+               gate_dtype: str | None = None) -> tirx.PrimFunc:
     """One-token gated delta rule step (see the module docstring for buffers and math)."""
+    gdt = gate_dtype or dtype
     group, scale, outer, inner, threads, bph, guard = _setup(Hk, Hv, Dk, Dv, scale, gpu, max_threads)
 
     @T.prim_func
     def gdn_decode_func(q: T.Buffer((Hk, Dk), dtype), k: T.Buffer((Hk, Dk), dtype),
-                        v: T.Buffer((Hv, Dv), dtype), g: T.Buffer((Hv,), dtype), beta: T.Buffer((Hv,), dtype),
+                        v: T.Buffer((Hv, Dv), dtype), g: T.Buffer((Hv,), gdt), beta: T.Buffer((Hv,), gdt),
                         state_in: T.Buffer((Hv, Dk, Dv), "float32"), o: T.Buffer((Hv, Dv), dtype),
                         state_out: T.Buffer((Hv, Dk, Dv), "float32")):
         for hb in outer(Hv * bph):
@@ -115,8 +118,10 @@ def gdn_decode(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, sc
 
 
 def gdn_prefill(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, scale: float | None = None,
-                gpu: bool = False, max_threads: int = 128, name: str = "gdn_prefill") -> tirx.PrimFunc:
+                gpu: bool = False, max_threads: int = 128, name: str = "gdn_prefill",
+                gate_dtype: str | None = None) -> tirx.PrimFunc:
     """Exact gated delta rule over a symbolic number of tokens ``n`` (sequential scan per work item)."""
+    gdt = gate_dtype or dtype
     group, scale, outer, inner, threads, bph, guard = _setup(Hk, Hv, Dk, Dv, scale, gpu, max_threads)
 
     @T.prim_func
@@ -127,8 +132,8 @@ def gdn_prefill(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, s
         q = T.match_buffer(q_h, (n, Hk, Dk), dtype)
         k = T.match_buffer(k_h, (n, Hk, Dk), dtype)
         v = T.match_buffer(v_h, (n, Hv, Dv), dtype)
-        g = T.match_buffer(g_h, (n, Hv), dtype)
-        beta = T.match_buffer(beta_h, (n, Hv), dtype)
+        g = T.match_buffer(g_h, (n, Hv), gdt)
+        beta = T.match_buffer(beta_h, (n, Hv), gdt)
         o = T.match_buffer(o_h, (n, Hv, Dv), dtype)
         for hb in outer(Hv * bph):
             for tx in inner(threads):

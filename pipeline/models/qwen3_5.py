@@ -1,0 +1,453 @@
+"""Qwen3.5 / 3.6 / 3.8 hybrid ("qwen27b"): Gated-DeltaNet layers + gated full-attention layers.
+
+One definition for the text path of `Qwen3_5ForConditionalGeneration` (`qwen3_5`, nested `text_config`) and
+`Qwen3_5ForCausalLM` (`qwen3_5_text`). Per `layer_types`:
+
+* ``linear_attention`` (GDN): one fused input projection (checkpoint's in_proj_qkv | in_proj_z | in_proj_b |
+  in_proj_a, concatenated), causal depthwise conv1d (kernel 4, SiLU) over the qkv part with a conv state of
+  the last K-1 inputs, L2-normalised q/k, gates ``g = -exp(A_log) * softplus(a + dt_bias)`` and
+  ``beta = sigmoid(b)`` in fp32, the exact gated delta rule (`gdn_kernels`) on an fp32 state
+  [value heads, key dim, value dim], gated RMSNorm ``rms(o) * w * silu(z)``, out_proj.
+* ``full_attention``: q_proj gives query and gate interleaved per head ([H, 2D] -> split), q/k RMSNorm,
+  partial RoPE (first `partial_rotary_factor` of head dims, applied by the paged KV cache), GQA,
+  output times sigmoid(gate), o_proj.
+
+RMSNorms outside GDN are zero-centred (scale ``1 + w``); that is computed in the graph so the stored weights
+are the checkpoint's. The conv and delta-rule states live in the runtime RNN state (`recurrent_state`)
+beside the paged KV cache, which only the full-attention layers use (`kv_state_kind: hybrid`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+from ..errors import ConfigError
+from .gdn_kernels import gdn_decode, gdn_prefill
+from .layers import LayerFactory
+from .llama import MLP, _empty_ext_factors, _last_token, _shape_expr
+from .recurrent_state import RecurrentState
+
+ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5"}
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+def is_hybrid(hf: dict[str, Any]) -> bool:
+    return bool(set(hf.get("architectures") or []) & set(ARCHITECTURES)) or hf.get("model_type") in MODEL_TYPES
+
+
+@dataclass
+class HybridConfig:
+    """What the hybrid needs from a HF config (the text part) plus runtime sizes."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: list[str]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    vocab_size: int
+    family: str = "qwen3_5"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    context_window_size: int = 4096
+    prefill_chunk_size: int = 512
+    max_batch_size: int = 1
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json",
+                context_window_size: int | None = None, prefill_chunk_size: int | None = None):
+        text = hf.get("text_config") or hf
+        try:
+            n_layers = int(text["num_hidden_layers"])
+            types = list(text.get("layer_types") or [])
+            if not types:
+                interval = int(text.get("full_attention_interval", 4))
+                types = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(n_layers)]
+            rope = dict(text.get("rope_parameters") or {})
+            rope_type = rope.get("rope_type", "default")
+            if rope_type != "default":
+                raise ConfigError(f"rope_type {rope_type!r} is not supported for {cls.__name__}", path=source,
+                                  fix="use a config with rope_type 'default' (text positions)")
+            cfg = cls(
+                hidden_size=int(text["hidden_size"]),
+                intermediate_size=int(text["intermediate_size"]),
+                num_hidden_layers=n_layers,
+                layer_types=types,
+                num_attention_heads=int(text["num_attention_heads"]),
+                num_key_value_heads=int(text["num_key_value_heads"]),
+                head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])),
+                linear_num_key_heads=int(text["linear_num_key_heads"]),
+                linear_num_value_heads=int(text["linear_num_value_heads"]),
+                linear_key_head_dim=int(text["linear_key_head_dim"]),
+                linear_value_head_dim=int(text["linear_value_head_dim"]),
+                linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+                vocab_size=int(text["vocab_size"]),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta") or text.get("rope_theta") or 10_000_000.0),
+                partial_rotary_factor=float(rope.get("partial_rotary_factor")
+                                            or text.get("partial_rotary_factor") or 1.0),
+                attention_bias=bool(text.get("attention_bias", False)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                context_window_size=context_window_size or min(int(text.get("max_position_embeddings", 4096)), 4096),
+                prefill_chunk_size=prefill_chunk_size or 512,
+            )
+        except KeyError as err:
+            raise ConfigError(f"missing field {err.args[0]!r} in the Qwen3.5 text config", path=source,
+                              fix="give the model's complete HF config.json") from None
+        bad = sorted(set(cfg.layer_types) - set(LAYER_KINDS))
+        if bad or len(cfg.layer_types) != n_layers:
+            raise ConfigError(f"layer_types must list {n_layers} entries of {LAYER_KINDS}, got {bad or len(types)}",
+                              path=source, fix="fix layer_types in config.json")
+        if cfg.num_attention_heads % cfg.num_key_value_heads or \
+                cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise ConfigError("attention heads must be a multiple of KV heads (and GDN value heads of key heads)",
+                              path=source, fix="fix the head counts in config.json")
+        if (text.get("mlp_only_layers") or []) or text.get("num_experts"):
+            raise ConfigError("MoE Qwen3.5 variants are not supported yet", path=source,
+                              fix="use the dense Qwen3.5 (27B) config")
+        return cfg
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def rnn_states(self, dtype: str) -> list[tuple[list[int], str]]:
+        """(shape, dtype) of each recurrent state id: 0 = conv inputs [K-1, conv_dim], 1 = delta-rule state."""
+        return [([self.linear_conv_kernel_dim - 1, self.conv_dim], dtype),
+                ([self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim], "float32")]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: x / rms(x) * (1 + w), the weight stored as in the checkpoint (around 0)."""
+
+    def __init__(self, dim: int, eps: float, dtype: str):
+        self.eps = eps
+        self.weight = nn.Parameter((dim,), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight.astype(x.dtype) if self.weight.dtype != x.dtype else self.weight
+        return op.rms_norm(x, w + 1.0, axes=[-1], epsilon=self.eps)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: HybridConfig, make: LayerFactory, kv_layer: int):
+        self.cfg, self.kv_layer = cfg, kv_layer
+        nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = make.linear(cfg.hidden_size, 2 * nq * d + 2 * nkv * d, bias=cfg.attention_bias)
+        self.o_proj = make.linear(nq * d, cfg.hidden_size, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps, make.dtype)
+        self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps, make.dtype)
+
+    def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
+        c = self.cfg
+        b, s, _ = x.shape
+        nq, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qg, k, v = op.split(self.qkv_proj(x), [2 * nq * d, 2 * nq * d + nkv * d], axis=-1)
+        q, gate = op.split(op.reshape(qg, (b, s, nq, 2 * d)), 2, axis=-1)   # interleaved per head
+        q = self.q_norm(q)
+        k = self.k_norm(op.reshape(k, (b, s, nkv, d)))
+        qkv = op.concat([q, k, op.reshape(v, (b, s, nkv, d))], dim=2)
+        out = kv.attention_with_fused_qkv(self.kv_layer, qkv, nq, sm_scale=d**-0.5)
+        out = op.reshape(out * op.sigmoid(gate), (b, s, nq * d))
+        return self.o_proj(out)
+
+
+class Conv1dWeight(nn.Module):
+    """Holds `conv1d.weight` [channels, 1, kernel] exactly as the checkpoint stores it."""
+
+    def __init__(self, channels: int, kernel: int, dtype: str):
+        self.weight = nn.Parameter((channels, 1, kernel), dtype)
+
+
+def _window(prev: te.Tensor, cur: te.Tensor):
+    """Index the virtual sequence [previous K-1 inputs | this chunk] without materialising the concat."""
+    keep = prev.shape[1]
+
+    def at(b, t, c):
+        return tirx.if_then_else(t < keep, prev[b, tirx.min(t, keep - 1), c],
+                                 cur[b, tirx.max(t - keep, 0), c])
+
+    return at
+
+
+def _causal_conv_silu(prev: te.Tensor, cur: te.Tensor, w: te.Tensor, dtype: str) -> te.Tensor:
+    """silu(depthwise causal conv) [1, s, C] of this chunk `cur` [1, s, C], `prev` [1, K-1, C] before it.
+
+    The kernel is tiny and static (K = 4), so the taps are unrolled into one elementwise expression: no
+    reduction, so every target schedules it as a plain injective kernel."""
+    x = _window(prev, cur)
+    kernel = int(w.shape[2])
+
+    def conv(b, t, c):
+        acc = x(b, t, c).astype("float32") * w[c, 0, 0].astype("float32")
+        for j in range(1, kernel):
+            acc = acc + x(b, t + j, c).astype("float32") * w[c, 0, j].astype("float32")
+        return (acc * tirx.sigmoid(acc)).astype(dtype)
+
+    return te.compute(cur.shape, conv, name="conv_silu")
+
+
+def _tail(prev: te.Tensor, cur: te.Tensor) -> te.Tensor:
+    """The last K-1 inputs of [prev | cur]: the conv state for the next call."""
+    x = _window(prev, cur)
+    s = cur.shape[1]
+    return te.compute(prev.shape, lambda b, i, c: x(b, s + i, c), name="conv_state_tail")
+
+
+def _gates(a: te.Tensor, b: te.Tensor, a_log: te.Tensor, dt_bias: te.Tensor):
+    """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); both fp32 [s, H]."""
+    def softplus(x):
+        return tirx.Select(x > tirx.const(20.0, "float32"), x, tirx.log(tirx.exp(x) + tirx.const(1.0, "float32")))
+
+    shape = (a.shape[1], a.shape[2])
+    g = te.compute(shape, lambda t, h: -tirx.exp(a_log[h]) * softplus(a[0, t, h].astype("float32") + dt_bias[h]),
+                   name="gdn_g")
+    beta = te.compute(shape, lambda t, h: tirx.sigmoid(b[0, t, h].astype("float32")), name="gdn_beta")
+    return g, beta
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (as transformers / FLA)."""
+    xf = x.astype("float32") if x.dtype != "float32" else x
+    inv = op.sqrt(op.sum(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf / inv
+    return y.astype(x.dtype) if x.dtype != "float32" else y
+
+
+class GatedRMSNorm(nn.Module):
+    """rms(o) * w * silu(z) per value head (weight NOT zero-centred)."""
+
+    def __init__(self, dim: int, eps: float, dtype: str):
+        self.eps = eps
+        self.weight = nn.Parameter((dim,), dtype)
+
+    def forward(self, o: Tensor, z: Tensor) -> Tensor:
+        w = self.weight.astype(o.dtype) if self.weight.dtype != o.dtype else self.weight
+        return op.rms_norm(o, w, axes=[-1], epsilon=self.eps) * op.silu(z)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: HybridConfig, make: LayerFactory, state_layer: int, gpu: bool, max_threads: int):
+        self.cfg, self.state_layer, self.dtype = cfg, state_layer, make.dtype
+        self.gpu, self.max_threads = gpu, max_threads
+        hv = cfg.linear_num_value_heads
+        self.value_dim = hv * cfg.linear_value_head_dim
+        self.in_proj = make.linear(cfg.hidden_size, cfg.conv_dim + self.value_dim + 2 * hv, bias=False)
+        self.conv1d = Conv1dWeight(cfg.conv_dim, cfg.linear_conv_kernel_dim, make.weight_dtype)
+        self.A_log = nn.Parameter((hv,), "float32")
+        self.dt_bias = nn.Parameter((hv,), "float32")
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, make.dtype)
+        self.out_proj = make.linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
+        c, dtype, layer = self.cfg, self.dtype, self.state_layer
+        _, s, _ = x.shape
+        hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                          c.linear_value_head_dim)
+        conv_dim, keep = c.conv_dim, c.linear_conv_kernel_dim - 1
+        mixed, z, b, a = op.split(self.in_proj(x), [conv_dim, conv_dim + self.value_dim,
+                                                    conv_dim + self.value_dim + hv], axis=-1)
+        prev = state.get(layer, 0, (1, keep, conv_dim), dtype)
+        state = state.set(layer, 0, op.tensor_expr_op(_tail, "conv_state_tail", [prev, mixed]))
+        conv = op.tensor_expr_op(lambda p, m, w: _causal_conv_silu(p, m, w, dtype), "gdn_conv1d_silu",
+                                 [prev, mixed, self.conv1d.weight])
+        q, k, v = op.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
+        q = _l2norm(op.reshape(q, (s, hk, dk)))
+        k = _l2norm(op.reshape(k, (s, hk, dk)))
+        v = op.reshape(v, (s, hv, dv))
+        g, beta = op.tensor_expr_op(_gates, "gdn_gates", [a, b, self.A_log, self.dt_bias])
+        rec = op.reshape(state.get(layer, 1, (1, hv, dk, dv), "float32"), (hv, dk, dv))
+        kw = dict(gpu=self.gpu, max_threads=self.max_threads, gate_dtype="float32")
+        if isinstance(s, int) and s == 1:
+            q, k, v, g, beta = (op.reshape(t, t.shape[1:]) for t in (q, k, v, g, beta))
+            o, rec = op.tensor_ir_op(gdn_decode(hk, hv, dk, dv, dtype, **kw), "gdn_decode", [q, k, v, g, beta, rec],
+                                     [Tensor.placeholder((hv, dv), dtype), Tensor.placeholder((hv, dk, dv), "float32")])
+        else:
+            o, rec = op.tensor_ir_op(gdn_prefill(hk, hv, dk, dv, dtype, **kw), "gdn_prefill",
+                                     [q, k, v, g, beta, rec],
+                                     [Tensor.placeholder((s, hv, dv), dtype),
+                                      Tensor.placeholder((hv, dk, dv), "float32")])
+        state = state.set(layer, 1, op.reshape(rec, (1, hv, dk, dv)))
+        o = self.norm(op.reshape(o, (1, s, hv, dv)), op.reshape(z, (1, s, hv, dv)))
+        return self.out_proj(op.reshape(o, (1, s, self.value_dim))), state
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig, make: LayerFactory, layer_id: int, gpu: bool, max_threads: int):
+        eps = cfg.rms_norm_eps
+        self.kind = cfg.layer_types[layer_id]
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps, make.dtype)
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, make, cfg.linear_layers.index(layer_id), gpu, max_threads)
+        else:
+            self.self_attn = GatedAttention(cfg, make, cfg.full_layers.index(layer_id))
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps, make.dtype)
+        self.mlp = MLP(cfg, make)
+
+    def forward(self, x: Tensor, kv: PagedKVCache, state: RecurrentState):
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h, state = self.linear_attn(h, state)
+        else:
+            h = self.self_attn(h, kv)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), state
+
+
+class HybridBackbone(nn.Module):
+    def __init__(self, cfg: HybridConfig, make: LayerFactory, gpu: bool, max_threads: int):
+        self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([HybridLayer(cfg, make, i, gpu, max_threads)
+                                     for i in range(cfg.num_hidden_layers)])
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, make.dtype)
+
+    def forward(self, x: Tensor, kv: PagedKVCache, state: RecurrentState):
+        for layer in self.layers:
+            x, state = layer(x, kv, state)
+        return self.norm(x), state
+
+
+def _gpu_info(target: Any) -> tuple[bool, int]:
+    kind = target.kind.name if target is not None else "llvm"
+    if kind in ("llvm", "c"):
+        return False, 1
+    threads = target.attrs.get("max_num_threads", 256) if hasattr(target, "attrs") else 256
+    return True, int(min(int(threads), 128))
+
+
+class HybridLM(nn.Module):
+    """Entry points: embed, prefill, decode, prefill_all_logits, create_tir_paged_kv_cache, create_rnn_state.
+
+    prefill/decode take and return both the paged KV cache and the RNN state (`kv_state_kind: hybrid`).
+    """
+
+    def __init__(self, cfg: HybridConfig, make: LayerFactory, target: Any):
+        self.cfg, self.dtype, self.target = cfg, make.dtype, target
+        gpu, threads = _gpu_info(target)
+        self.model = HybridBackbone(cfg, make, gpu, threads)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        logits = self.model.embed_tokens.lm_head(h) if self.cfg.tie_word_embeddings else self.lm_head(h)
+        return logits.astype("float32") if logits.dtype != "float32" else logits
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def prefill(self, input_embed: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
+        h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
+        return self._logits(_last_token(h)), paged_kv_cache, rnn_state
+
+    def prefill_all_logits(self, input_embed: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
+        h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
+        return self._logits(h), paged_kv_cache, rnn_state
+
+    def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
+        h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
+        return self._logits(h), paged_kv_cache, rnn_state
+
+    def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                                  support_sliding_window: tirx.Var) -> PagedKVCache:
+        c = self.cfg
+        n_full = len(c.full_layers)
+        return TIRPagedKVCache(
+            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+            support_sliding_window=support_sliding_window, layer_partition=_shape_expr([0, n_full]),
+            num_hidden_layers=n_full, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, qk_head_dim=c.head_dim, v_head_dim=c.head_dim,
+            mla_original_qk_head_dim=0, mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL, rope_scale=1,
+            rope_theta=c.rope_theta, rope_scaling={}, rope_ext_factors=_empty_ext_factors(),
+            rotary_dim=c.rotary_dim, enable_disaggregation=False, dtype=self.dtype, target=self.target)
+
+    def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RecurrentState:
+        return RecurrentState.create(len(self.cfg.linear_layers), self.cfg.rnn_states(self.dtype),
+                                     max_batch_size, max_history)
+
+    def export_spec(self) -> dict[str, Any]:
+        h = self.cfg.hidden_size
+        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
+        kv = nn.spec.Object(object_type=PagedKVCache)
+        rnn = nn.spec.Object(object_type=RecurrentState)
+
+        def step(seq):
+            return {"input_embed": nn.spec.Tensor([1, seq, h], self.dtype), "paged_kv_cache": kv,
+                    "rnn_state": rnn, **packed}
+
+        return {
+            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), **packed},
+            "prefill": step("seq_len"),
+            "prefill_all_logits": step("seq_len"),
+            "decode": step(1),
+            "create_tir_paged_kv_cache": {
+                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
+                "page_size": int, "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+            "create_rnn_state": {"max_batch_size": int, "max_history": int,
+                                 "$": {"param_mode": "none", "effect_mode": "none"}},
+        }
+
+    def metadata(self, quantization: str, params: list[tuple[str, Any]]) -> dict[str, Any]:
+        c = self.cfg
+        return {
+            "model_type": c.family,
+            "quantization": quantization,
+            "context_window_size": c.context_window_size,
+            "sliding_window_size": -1,
+            "attention_sink_size": -1,
+            "prefill_chunk_size": c.prefill_chunk_size,
+            "tensor_parallel_shards": 1,
+            "pipeline_parallel_stages": 1,
+            "kv_state_kind": "hybrid",
+            "max_batch_size": c.max_batch_size,
+            "params": [{"name": n, "shape": [int(x) for x in p.shape], "dtype": p.dtype} for n, p in params],
+            "kv_cache": {
+                "num_hidden_layers": len(c.full_layers),
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim,
+                "layers": c.full_layers,
+            },
+            "rnn_state": {
+                "num_layers": len(c.linear_layers),
+                "layers": c.linear_layers,
+                "states": [{"shape": shape, "dtype": dt} for shape, dt in c.rnn_states(self.dtype)],
+            },
+            "model_config": c.to_json(),
+        }
