@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,9 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 
 
 def generate(bundle: Bundle, prompt: str, *, max_new_tokens: int = 128, temperature: float = 0.0,
-             top_p: float = 0.95, seed: int = 0, stream=sys.stdout, chat: bool = True) -> dict:
+             top_p: float = 0.95, seed: int = 0, stream: Any = "stdout", chat: bool = True) -> dict:
+    """Greedy / sampled generation; text is streamed to `stream` ("stdout": sys.stdout at call time; None: off)."""
+    stream = sys.stdout if stream == "stdout" else stream
     tok = bundle.tokenizer()
     engine = bundle.engine()
     if chat and tok.chat_template:

@@ -189,12 +189,10 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size)
         write_coverage(coverage, tmp)
         with report.step(f"compile for {target.name}"):
-            t0 = time.time()
             lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
                                 system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
-            seconds = time.time() - t0
+        # No timings in here: it goes into the bundle, whose manifest must be reproducible.
         info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
-                "compile_seconds": round(seconds, 2),
                 "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device} for s in schedules]}
         (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return out, info

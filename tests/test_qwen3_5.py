@@ -82,7 +82,18 @@ def trained_model(tmp_path_factory):
         opt.step()
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
+    word_tokenizer().save_pretrained(folder)
     return folder, model, perm, float(loss.detach())
+
+
+def word_tokenizer():
+    """Token i is the word `w<i>` (a whitespace word-level vocabulary of VOCAB words, no chat template)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
 
 
 def reference(model, ids, steps):
@@ -246,3 +257,20 @@ def test_phone_targets_place_every_hybrid_kernel(random_model, build_bundle, tar
         source = tar.extractfile(devc).read()
     for name in ("gdn_prefill", "gdn_decode", "gdn_gates", "gdn_conv1d_silu", "rnn_state_get_1", "rnn_state_set_0"):
         assert f"qwen3_5_q4f16_{name}".encode() in source or f"qwen3_5_q4f16_fused_{name}".encode() in source, name
+
+
+def test_pipeline_run_drives_a_hybrid_bundle(trained_model, build_bundle, capsys):
+    """`python -m pipeline run` on a hybrid bundle: greedy text equals transformers' greedy generate."""
+    from pipeline.cli import main
+
+    folder, model, perm, _ = trained_model
+    prompt_ids = [int(x) for x in chain(np.random.default_rng(3), 1, 12, perm)[0]]
+    bundle = build_bundle(folder, "host-cpu", "q0f32")
+    assert main(["run", str(bundle), "--prompt", " ".join(f"w{i}" for i in prompt_ids),
+                 "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):].tolist()
+    assert out.out.split() == [f"w{i}" for i in ref]
+    assert "prompt tokens" in out.err and "decode" in out.err
