@@ -64,7 +64,7 @@ def test_chunked_conversion_is_bit_identical(tiny_bf16, quant):
         got = list(iter_converted(ckpt, params, defined.layout, tied=tied, block_bytes=block_bytes,
                                   on_bytes=produced.append))
         assert [n for n, _ in got] == [n for n, _ in reference]
-        for (name, a), (_, b) in zip(got, reference):
+        for (name, a), (_, b) in zip(got, reference, strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape and _bits(a) == _bits(b), (quant, block_bytes, name)
         assert sum(produced) == sum(a.nbytes for _, a in got)
 
