@@ -395,8 +395,8 @@ class SafetensorsCheckpoint(Checkpoint):
             raise WeightsError(f"truncated while reading tensor {name!r} ({got} of {want} bytes)",
                                path=entry.file, fix=REDOWNLOAD)
         if entry.code == "BF16":   # bfloat16 is the top half of a float32: widening is exact
-            wide = buf.astype(np.uint32)
-            wide <<= 16
+            wide = np.empty(buf.shape, np.uint32)
+            np.left_shift(buf, 16, out=wide, dtype=np.uint32)
             arr = wide.view(np.float32)
         else:
             arr = buf.astype(np.float32)
