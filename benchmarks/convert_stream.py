@@ -44,6 +44,8 @@ MiB = 2**20
 
 MODELS: dict[str, Path] = {
     "qwen3-32b": ROOT / "configs" / "models" / "hf" / "qwen3-32b.config.json",
+    # converts once the pipeline defines the hybrid model; until then its worker fails with the pipeline's error
+    "qwen3.5-27b": ROOT / "configs" / "models" / "hf" / "qwen3.5-27b.config.json",
 }
 
 Shape = tuple[int, ...]
@@ -83,12 +85,50 @@ def dense_tensors(cfg: dict[str, Any]) -> list[tuple[str, Shape]]:
     return out
 
 
+def qwen3_5_tensors(cfg: dict[str, Any]) -> list[tuple[str, Shape]]:
+    """HF tensors of the Qwen3.5 hybrid's language model (Gated-DeltaNet "linear_attention" layers and
+    gated full-attention layers, per `layer_types`), under `model.language_model.`. Shapes match
+    transformers' Qwen3_5 modeling; the vision tower and MTP head are left out (not converted)."""
+    t = text_config(cfg)
+    hidden, inter, vocab, heads = t["hidden_size"], t["intermediate_size"], t["vocab_size"], t["num_attention_heads"]
+    kv, head_dim = t["num_key_value_heads"], t["head_dim"]
+    k_heads, k_dim = t["linear_num_key_heads"], t["linear_key_head_dim"]
+    v_heads, v_dim = t["linear_num_value_heads"], t["linear_value_head_dim"]
+    conv = 2 * k_heads * k_dim + v_heads * v_dim
+    gate = 2 if t.get("attn_output_gate", True) else 1
+    types = t.get("layer_types") or ["linear_attention"] * t["num_hidden_layers"]
+    pre = "model.language_model."
+    out: list[tuple[str, Shape]] = [(pre + "embed_tokens.weight", (vocab, hidden))]
+    for i, kind in enumerate(types[:t["num_hidden_layers"]]):
+        p = f"{pre}layers.{i}."
+        out += [(p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            out += [(a + "in_proj_qkv.weight", (conv, hidden)), (a + "in_proj_z.weight", (v_heads * v_dim, hidden)),
+                    (a + "in_proj_b.weight", (v_heads, hidden)), (a + "in_proj_a.weight", (v_heads, hidden)),
+                    (a + "conv1d.weight", (conv, 1, t["linear_conv_kernel_dim"])), (a + "A_log", (v_heads,)),
+                    (a + "dt_bias", (v_heads,)), (a + "norm.weight", (v_dim,)),
+                    (a + "out_proj.weight", (hidden, v_heads * v_dim))]
+        else:
+            a = p + "self_attn."
+            out += [(a + "q_proj.weight", (heads * head_dim * gate, hidden)), (a + "k_proj.weight", (kv * head_dim, hidden)),
+                    (a + "v_proj.weight", (kv * head_dim, hidden)), (a + "o_proj.weight", (hidden, heads * head_dim)),
+                    (a + "q_norm.weight", (head_dim,)), (a + "k_norm.weight", (head_dim,))]
+        out += [(p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+                (p + "mlp.down_proj.weight", (hidden, inter))]
+    out.append((pre + "norm.weight", (hidden,)))
+    if not (t.get("tie_word_embeddings") or cfg.get("tie_word_embeddings")):
+        out.append(("lm_head.weight", (vocab, hidden)))
+    return out
+
+
 # model_type (of the config, or of its text_config) -> tensor generator. Add a family here.
 GENERATORS: dict[str, Callable[[dict[str, Any]], list[tuple[str, Shape]]]] = {
     "llama": dense_tensors,
     "mistral": dense_tensors,
     "qwen2": dense_tensors,
     "qwen3": dense_tensors,
+    "qwen3_5": qwen3_5_tensors,
 }
 
 

@@ -142,6 +142,7 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
     block_bytes = int(block_bytes or DEFAULT_BLOCK_BYTES)
     shapes = {name: tuple(int(x) for x in p.shape) for name, p in params}
     pending: dict[str, np.ndarray] = {}
+    packed = scale = None
     for i, (name, p) in enumerate(params):
         if i < start:
             continue
@@ -166,3 +167,4 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
         if on_tensor:
             on_tensor(name, arr.nbytes)
         yield name, arr
+        arr = packed = scale = None   # hold no finished output while converting the next tensor

@@ -156,6 +156,7 @@ def convert_weights(ckpt: Any, params: list[tuple[str, Any]], layout: str, final
                                                 block_bytes=block_bytes, on_bytes=advance):
                     before = writer.shards_finished
                     writer.add(name, arr)
+                    del arr                   # on disk now; do not hold it while the next one converts
                     if writer.shards_finished > before:
                         _write_journal(journal, {**expect, "writer": writer.state()})
                         if fail_after and writer.shards_finished >= fail_after:
