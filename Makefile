@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow lint clean
+.PHONY: setup system-deps build run test test-slow lint clean bench bench-convert
 
 setup: $(STAMP)
 
@@ -55,7 +55,15 @@ test-slow: $(STAMP) system-deps
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pipeline tests
+	$(VENV)/bin/ruff check pipeline tests benchmarks
+
+# Benchmarks (not tests). BENCH_ARGS=--quick for a few minutes; results in benchmarks/results/.
+BENCH_ARGS ?=
+bench: bench-convert
+
+# Weight conversion of a synthetic Qwen3-32B-shaped checkpoint: seconds, GB/s, peak RSS per layer count.
+bench-convert: $(STAMP)
+	$(PY) benchmarks/convert_stream.py $(BENCH_ARGS)
 
 clean:
 	rm -rf .cache dist/*/

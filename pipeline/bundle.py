@@ -109,12 +109,16 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         _swap_in(tmp, final)
     except BaseException as err:
         _remove(tmp)
-        full = _disk_full(err)
-        if full is not None:
-            where = full.filename or final
-            raise PipelineError(f"disk full while writing {where}",
-                                fix="free space or use --out on another disk") from err
+        raise_if_disk_full(err, final)
         raise
+
+
+def raise_if_disk_full(err: BaseException, final: Path, fix: str = "free space or use --out on another disk") -> None:
+    """Raise a one-line PipelineError naming the file being written when `err` is a full disk (ENOSPC)."""
+    full = _disk_full(err)
+    if full is not None:
+        where = full.filename or final
+        raise PipelineError(f"disk full while writing {where}", fix=fix) from err
 
 
 # ------------------------------------------------------------------------------------------ manifest

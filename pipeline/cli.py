@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: no partial output was left behind", file=sys.stderr)
+        print("interrupted: no partial output was left behind (a weight conversion resumes where it stopped "
+              "when the build is rerun)", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - an internal failure: short by default, full on request
         if os.environ.get("MLP_DEBUG"):

@@ -83,6 +83,14 @@ def _read_json(path: Path, error: type[ConfigError] | type[WeightsError], fix: s
     return data
 
 
+def _row_range(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, int]:
+    """Clamp [start, stop) to the rows (axis 0) of a tensor of `shape`, like a Python slice."""
+    if not shape:
+        raise ValueError("a 0-d tensor has no rows")
+    start, stop, _ = slice(start, stop).indices(int(shape[0]))
+    return start, max(start, stop)
+
+
 def _hash_file(h: Any, file: Path, head_end: int, data_end: int) -> None:
     """Feed the file's name, size, header bytes and three data samples (start, middle, end) into `h`."""
     size = file.stat().st_size
@@ -118,6 +126,15 @@ class Checkpoint:
 
     def get(self, name: str) -> np.ndarray:
         raise NotImplementedError
+
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of `get(name)` (along axis 0) as a float32 array, bit-identical to slicing
+        `get(name)`. This fallback reads the whole tensor; formats override it to read only those rows."""
+        start, stop = _row_range(self.shape(name), start, stop)
+        arr = self.get(name)
+        if start == 0 and stop == len(arr):
+            return arr
+        return np.array(arr[start:stop], dtype=np.float32, order="C")
 
     def fingerprint(self) -> str:
         raise NotImplementedError
@@ -171,6 +188,11 @@ _ST_DTYPES: dict[str, tuple[str, int]] = {
 }
 # read with safe_open(framework="numpy"); the float8 / bfloat16 codes go through torch instead
 _ST_NUMPY = {"BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64", "I64", "F64"}
+# codes `get_rows` reads itself (little-endian raw -> float32); BF16 is read as its uint16 bits
+_ST_RAW = {code: np.dtype(t).newbyteorder("<") for code, t in {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "F16": np.float16,
+    "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "F32": np.float32, "U64": np.uint64,
+    "I64": np.int64, "F64": np.float64}.items()}
 _ST_TORCH = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
              "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu"}
 
@@ -179,6 +201,7 @@ class _STEntry(NamedTuple):
     file: Path
     code: str  # safetensors dtype code, e.g. "BF16"
     shape: tuple[int, ...]
+    offset: int = 0  # absolute file offset of the tensor's first byte
 
 
 class _STHeader(NamedTuple):
@@ -235,7 +258,7 @@ def _read_safetensors_header(file: Path) -> _STHeader:
             raise WeightsError(
                 f"header lies about tensor {name!r}: shape {list(shape)} of {code} needs {need} bytes "
                 f"but its data_offsets [{begin}, {end}] span {end - begin}", path=file, fix=REDOWNLOAD)
-        entries[name] = _STEntry(file, code, shape)
+        entries[name] = _STEntry(file, code, shape, 8 + length + begin)
         spans.append((begin, end, name))
 
     pos = 0
@@ -350,6 +373,34 @@ class SafetensorsCheckpoint(Checkpoint):
         if not arr.flags.writeable or not arr.flags.c_contiguous:
             arr = np.array(arr, dtype=np.float32, order="C")
         return arr
+
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) read straight from the file (no memory map, nothing else read), as float32."""
+        entry = self._entry(name)
+        raw = _ST_RAW.get(entry.code)
+        if raw is None or not entry.shape:
+            return super().get_rows(name, start, stop)
+        start, stop = _row_range(entry.shape, start, stop)
+        row = math.prod(entry.shape[1:])
+        buf = np.empty((stop - start) * row, dtype=raw)
+        want = buf.nbytes
+        try:
+            with open(entry.file, "rb") as f:
+                f.seek(entry.offset + start * row * raw.itemsize)
+                got = f.readinto(memoryview(buf).cast("B")) if want else 0
+        except OSError as err:
+            raise WeightsError(f"cannot read tensor {name!r} ({_one_line(err)})", path=entry.file,
+                               fix=REDOWNLOAD) from None
+        if got != want:
+            raise WeightsError(f"truncated while reading tensor {name!r} ({got} of {want} bytes)",
+                               path=entry.file, fix=REDOWNLOAD)
+        if entry.code == "BF16":   # bfloat16 is the top half of a float32: widening is exact
+            wide = np.empty(buf.shape, np.uint32)
+            np.left_shift(buf, 16, out=wide, dtype=np.uint32)
+            arr = wide.view(np.float32)
+        else:
+            arr = buf.astype(np.float32)
+        return arr.reshape((stop - start, *entry.shape[1:]))
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"mobile-llm checkpoint fingerprint v1 safetensors\0")
@@ -674,6 +725,22 @@ class GGUFCheckpoint(Checkpoint):
         if np.may_share_memory(arr, t.data):  # F32 tensors come back as views of the memory map
             arr = arr.copy()
         return np.ascontiguousarray(arr)
+
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop), dequantizing only their blocks (ggml blocks never span rows); the Q/K
+        tensors whose rows llama.cpp permuted fall back to slicing the whole tensor."""
+        from gguf.quants import dequantize
+
+        t = self._tensor(name)
+        shape = self.shape(name)
+        if name in self._permute or len(shape) < 2 or t.data.ndim < 2 or t.data.shape[0] != shape[0]:
+            return super().get_rows(name, start, stop)
+        start, stop = _row_range(shape, start, stop)
+        try:
+            arr = dequantize(t.data[start:stop], t.tensor_type)
+        except NotImplementedError:
+            return super().get_rows(name, start, stop)   # get() raises the one-line error
+        return np.array(arr, dtype=np.float32, order="C").reshape((stop - start, *shape[1:]))
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"mobile-llm checkpoint fingerprint v1 gguf\0")

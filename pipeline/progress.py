@@ -43,7 +43,9 @@ class Reporter:
         self.console.print(f"[green]✓[/] {title} ({time.time() - t0:.1f} s)")
 
     @contextmanager
-    def bytes_bar(self, title: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    def bytes_bar(self, title: str, total: int | None, completed: int = 0) -> Iterator[Callable[[int], None]]:
+        """A bar in bytes with GB/s and ETA; `completed` bytes are already done (a resumed job), so the
+        bar starts there and speed / ETA count only the bytes done from now on."""
         self.all_cached = False
         if self.quiet:
             yield lambda _n: None
@@ -51,5 +53,5 @@ class Reporter:
         columns = [TextColumn(f"{title}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeRemainingColumn()]
         with Progress(*columns, console=self.console, transient=False) as bar:
-            task = bar.add_task(title, total=total)
+            task = bar.add_task(title, total=total, completed=completed)
             yield lambda n: bar.advance(task, n)

@@ -14,18 +14,27 @@ from .models.layers import CODES_PER_WORD, GROUP, ZERO
 
 
 def quantize_q4(w: np.ndarray, layout: str = "NK") -> tuple[np.ndarray, np.ndarray]:
-    """[N, K] float -> (packed uint32, scale float16) in `layout`."""
+    """[N, K] float -> (packed uint32, scale float16) in `layout`.
+
+    Works in place on one float32 temporary and packs two codes per byte (nibble k % 8 of a little-endian
+    word is nibble k % 2 of its byte k % 8 // 2), so it makes few passes over the data. A group whose fp16
+    scale is 0 holds only values below half the smallest fp16 step times 7, which round to code ZERO.
+    """
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"reduction dim {k} is not a multiple of the group size {GROUP}")
     groups = w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)
-    scale16 = (np.abs(groups).max(axis=-1) / ZERO).astype(np.float16)
-    scale = scale16.astype(np.float32)[..., None]
-    safe = np.where(scale == 0, 1.0, scale)
-    codes = np.clip(np.rint(groups / safe) + ZERO, 0, 2 * ZERO).astype(np.uint32)
-    codes = np.where(scale == 0, ZERO, codes).reshape(n, k // CODES_PER_WORD, CODES_PER_WORD)
-    shifts = (np.arange(CODES_PER_WORD, dtype=np.uint32) * 4)
-    packed = np.bitwise_or.reduce(codes << shifts, axis=-1).astype(np.uint32)
+    amax = np.abs(groups).max(axis=-1)
+    amax /= ZERO
+    scale16 = amax.astype(np.float16)
+    scale = scale16.astype(np.float32)
+    scale[scale == 0] = 1.0
+    q = groups / scale[..., None]
+    np.rint(q, out=q)
+    q += ZERO
+    np.clip(q, 0, 2 * ZERO, out=q)
+    codes = q.astype(np.uint8).reshape(n, k // 2, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).view("<u4").astype(np.uint32, copy=False)
     if layout == "KN":
         return np.ascontiguousarray(packed.T), np.ascontiguousarray(scale16.T)
     return packed, scale16

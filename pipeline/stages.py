@@ -103,10 +103,12 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec) -> Defined:
 
 
 def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporter) -> Path | None:
-    """Stream checkpoint tensors through conversion + quantization into a cached tensor cache."""
-    from .bundle import atomic_dir
-    from .convert import iter_converted
-    from .tensor_cache import TensorCacheWriter
+    """Stream checkpoint tensors through conversion + quantization into a cached tensor cache.
+
+    Memory stays bounded (tensors are converted in row blocks) and an interrupted conversion resumes
+    where it stopped on the next run (see `resumable.convert_weights`).
+    """
+    from .resumable import convert_weights
 
     if loaded.checkpoint is None:
         return None
@@ -118,16 +120,9 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
     if (out / "tensor-cache.json").exists():
         report.info(f"quantize: cache hit ({out.name})")
         return out
-    import numpy as np
-
-    total = sum(int(np.prod([int(x) for x in p.shape])) * np.dtype(p.dtype).itemsize for _, p in defined.params)
-    with atomic_dir(out) as tmp, report.bytes_bar("quantize", total) as advance:
-        with TensorCacheWriter(tmp, metadata={"ParamSize": len(defined.params)}) as writer:
-            for name, arr in iter_converted(loaded.checkpoint, defined.params, defined.layout,
-                                            tied=loaded.decoder.tie_word_embeddings):
-                writer.add(name, arr)
-                advance(arr.nbytes)
-    return out
+    return convert_weights(loaded.checkpoint, defined.params, defined.layout, out, report=report,
+                           tied=loaded.decoder.tie_word_embeddings,
+                           metadata={"ParamSize": len(defined.params)})
 
 
 # Parts of multimodal / speculative checkpoints that text generation never reads.

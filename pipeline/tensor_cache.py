@@ -12,6 +12,12 @@ Small tensors are packed into shards of at most `shard_cap_bytes` (32 MiB). A te
 the cap is written to a shard of its own, while the shard being filled stays open for the tensors
 after it (as tvmjs does). Bytes go to disk as soon as `add()` is called, so the writer never holds
 more than the tensor it was handed. Output is a pure function of the (name, array) sequence.
+
+A long conversion can be resumed: `state()` (taken when a shard has just been finished) is a small JSON
+object — finished shard records, the open shard's records and length, the next shard index — and
+`TensorCacheWriter(out_dir, resume=state)` validates it against the files (sizes, md5), cuts the open
+shard back to the recorded length and carries on, so the tensors after it give the same bytes as an
+uninterrupted write. With `durable=True` every shard file is fsynced when it is finished.
 """
 
 from __future__ import annotations
@@ -66,6 +72,15 @@ def _as_le_bytes(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
+class ResumeError(ValueError):
+    """A saved writer state does not match the files on disk (the caller starts over)."""
+
+
+def _fsync(f: BinaryIO) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
 class TensorCacheWriter:
     """Streams named arrays into `out_dir` as an MLC tensor cache.
 
@@ -78,17 +93,15 @@ class TensorCacheWriter:
     """
 
     def __init__(self, out_dir: Path, shard_cap_bytes: int = DEFAULT_SHARD_CAP, metadata: dict | None = None,
-                 *, total_params: int | None = None):
+                 *, total_params: int | None = None, durable: bool = False, resume: dict | None = None):
         if shard_cap_bytes <= 0:
             raise ValueError(f"shard_cap_bytes must be positive, got {shard_cap_bytes}")
         self.out_dir = Path(out_dir)
         self.shard_cap_bytes = int(shard_cap_bytes)
         self.metadata = dict(metadata or {})
         self.total_params = total_params
+        self.durable = durable
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        # Shards left by an earlier write here would otherwise survive next to the new index.
-        for stale in self.out_dir.glob(f"{SHARD_PREFIX}_*.bin"):
-            stale.unlink()
         self._shards: dict[int, dict[str, Any]] = {}   # shard index -> shard record
         self._next_index = 0
         self._open: tuple[int, BinaryIO, Any, list[dict]] | None = None   # (index, file, md5, records)
@@ -96,6 +109,87 @@ class TensorCacheWriter:
         self._names: set[str] = set()
         self._param_bytes = 0
         self._result: dict | None = None
+        self.shards_finished = 0          # shards finished by this writer (not counting resumed ones)
+        if resume is not None:
+            self._restore(resume)
+        keep = {self._shard_name(i) for i in self._shards}
+        if self._open is not None:
+            keep.add(self._shard_name(self._open[0]))
+        # Shards left by an earlier write here would otherwise survive next to the new index.
+        for stale in self.out_dir.glob(f"{SHARD_PREFIX}_*.bin"):
+            if stale.name not in keep:
+                stale.unlink()
+
+    @property
+    def tensor_count(self) -> int:
+        """How many tensors have been added (resumed ones included)."""
+        return len(self._names)
+
+    def state(self) -> dict:
+        """A JSON-able snapshot to resume from; the open shard's bytes so far are flushed (and with
+        `durable`, fsynced) first, so the files on disk hold everything the snapshot names."""
+        if self._result is not None:
+            raise RuntimeError("TensorCacheWriter.state() after close()")
+        open_state = None
+        if self._open is not None:
+            index, f, _md5, records = self._open
+            if self.durable:
+                _fsync(f)
+            else:
+                f.flush()
+            open_state = {"index": index, "nbytes": self._open_nbytes, "records": [dict(r) for r in records]}
+        return {"shard_cap_bytes": self.shard_cap_bytes, "next_index": self._next_index,
+                "shards": [self._shards[i] for i in sorted(self._shards)], "open": open_state}
+
+    def _restore(self, state: dict) -> None:
+        """Take over a `state()` after checking it against the shard files; ResumeError if they differ."""
+        try:
+            if int(state["shard_cap_bytes"]) != self.shard_cap_bytes:
+                raise ResumeError(f"shard cap {state['shard_cap_bytes']} != {self.shard_cap_bytes}")
+            next_index = int(state["next_index"])
+            shards = {int(rec["dataPath"][len(SHARD_PREFIX) + 1:-len(".bin")]): dict(rec)
+                      for rec in state["shards"]}
+            open_state = state["open"]
+            records = [r for rec in shards.values() for r in rec["records"]]
+            if open_state is not None:
+                records += open_state["records"]
+            names = [r["name"] for r in records]
+            param_bytes = sum(int(r["nbytes"]) for r in records)
+        except ResumeError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ResumeError(f"malformed writer state ({type(err).__name__}: {err})") from None
+        if len(set(names)) != len(names):
+            raise ResumeError("a tensor is listed twice")
+        for index, rec in shards.items():
+            if rec.get("dataPath") != self._shard_name(index) or index >= next_index:
+                raise ResumeError(f"bad shard record {rec.get('dataPath')!r}")
+            path = self.out_dir / rec["dataPath"]
+            if not path.is_file() or path.stat().st_size != rec["nbytes"]:
+                raise ResumeError(f"{rec['dataPath']} is missing or has the wrong size")
+            if _md5_of(path) != rec["md5sum"]:
+                raise ResumeError(f"{rec['dataPath']} does not match its md5")
+        if open_state is not None:
+            index, nbytes = int(open_state["index"]), int(open_state["nbytes"])
+            path = self.out_dir / self._shard_name(index)
+            if index in shards or index >= next_index or not path.is_file() or path.stat().st_size < nbytes:
+                raise ResumeError(f"open shard {path.name} is missing or shorter than recorded")
+            f = open(path, "r+b")   # closed by _finish_open / _abort
+            try:
+                f.truncate(nbytes)
+                md5 = hashlib.md5(usedforsecurity=False)
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    md5.update(block)
+                f.seek(nbytes)
+            except BaseException:
+                f.close()
+                raise
+            self._open = (index, f, md5, [dict(r) for r in open_state["records"]])
+            self._open_nbytes = nbytes
+        self._shards = shards
+        self._next_index = next_index
+        self._names = set(names)
+        self._param_bytes = param_bytes
 
     # -- context manager
     def __enter__(self) -> TensorCacheWriter:
@@ -134,7 +228,10 @@ class TensorCacheWriter:
             with open(path, "wb") as f:
                 md5.update(data)
                 f.write(data)
+                if self.durable:
+                    _fsync(f)
             self._shards[index] = self._shard_record(index, nbytes, [{**record, "byteOffset": 0}], md5)
+            self.shards_finished += 1
             return
 
         if self._open is not None and self._open_nbytes + nbytes > self.shard_cap_bytes:
@@ -189,8 +286,11 @@ class TensorCacheWriter:
             return
         index, f, md5, records = self._open
         self._open = None
+        if self.durable:
+            _fsync(f)
         f.close()
         self._shards[index] = self._shard_record(index, self._open_nbytes, records, md5)
+        self.shards_finished += 1
 
     def _abort(self) -> None:
         if self._open is not None:

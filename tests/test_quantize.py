@@ -37,3 +37,31 @@ def test_layouts_hold_the_same_values():
     nk = dequantize_q4(*quantize_q4(w, "NK"), "NK")
     kn = dequantize_q4(*quantize_q4(w, "KN"), "KN")
     np.testing.assert_array_equal(nk, kn)
+
+
+def _reference_q4(w: np.ndarray, layout: str):
+    """The formula spelled out, one uint32 per code (slow): what the packed fast path must equal."""
+    n, k = w.shape
+    groups = w.astype(np.float32).reshape(n, k // 32, 32)
+    scale16 = (np.abs(groups).max(axis=-1) / 7).astype(np.float16)
+    scale = scale16.astype(np.float32)[..., None]
+    safe = np.where(scale == 0, 1.0, scale)
+    codes = np.clip(np.rint(groups / safe) + 7, 0, 14).astype(np.uint32)
+    codes = np.where(scale == 0, 7, codes).reshape(n, k // 8, 8)
+    packed = np.bitwise_or.reduce(codes << (np.arange(8, dtype=np.uint32) * 4), axis=-1).astype(np.uint32)
+    return (packed.T.copy(), scale16.T.copy()) if layout == "KN" else (packed, scale16)
+
+
+@pytest.mark.parametrize("layout", ["NK", "KN"])
+def test_bit_identical_to_the_reference_formula(layout):
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((300, 512)) * rng.uniform(1e-6, 30, (300, 1))).astype(np.float32)
+    w[0, :32] = 0.0
+    w[1, :32] = 1e-8                       # fp16 scale rounds to 0
+    w[2, 32:64] = -2e-7
+    w[3, 64:96] = np.float32(7 * 2.0**-25)   # right at the fp16 rounding edge
+    w[4, :] = np.repeat([0.5, -0.5], 256)    # ties: rint rounds half to even
+    w[5, :] *= 1e3
+    for got, want in zip(quantize_q4(w, layout), _reference_q4(w, layout), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
