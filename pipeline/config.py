@@ -86,13 +86,25 @@ def _host_cpu() -> str | None:
     return str(name()) if name else None   # None: a generic CPU of this architecture still works
 
 
+WEIGHT_FORMATS = ("float", "q4", "q8")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     name: str
-    weight_format: str            # float | q4
+    weight_format: str            # float | q4 | q8
     weight_dtype: str = "float16"
     layout: str = "target"        # NK | KN | target
     path: Path | None = None
+    # per-tensor rules: {layer role (qkv_proj, o_proj, gate_up_proj, down_proj, in_proj, out_proj, lm_head,
+    # embed_tokens): format (float | q4 | q8)}; roles not listed get weight_format
+    formats: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        bad = {r: f for r, f in {"*": self.weight_format, **self.formats}.items() if f not in WEIGHT_FORMATS}
+        if bad:
+            raise ConfigError(f"unknown weight format(s) {bad}", path=self.path,
+                              fix=f"use one of {', '.join(WEIGHT_FORMATS)}")
 
     def layout_for(self, target: TargetSpec) -> str:
         return target.weight_layout if self.layout == "target" else self.layout

@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import WeightsError
 from .models.layers import CODES_PER_WORD, GROUP
-from .quantize import quantize_q4
+from .quantize import quantize_q4, quantize_q8
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
          # Gated DeltaNet (Qwen3.5): one input GEMV instead of four
@@ -102,8 +102,10 @@ def _mismatch(ckpt: Any, name: str, want: tuple[int, ...], got: tuple[int, ...])
 
 
 def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dict[str, tuple[int, ...]],
-                block_bytes: int, on_bytes: Callable[[int], None] | None) -> tuple[np.ndarray, np.ndarray]:
-    """q4-quantize the sources of `name` (a .q_weight or .q_scale) block by block -> (packed, scale)."""
+                block_bytes: int, on_bytes: Callable[[int], None] | None,
+                bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Group-quantize the sources of `name` (a .q_weight or .q_scale) block by block -> (codes, scale):
+    int4 packed 8 per uint32 (`bits=4`) or int8 codes (`bits=8`)."""
     src_shape = _source_shape(ckpt, name, names)
     n = src_shape[0]
     if len(src_shape) != 2 or src_shape[1] % GROUP:
@@ -113,15 +115,16 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
                            path=ckpt.path, fix="use a float scheme (q0f16) for this model")
     k = src_shape[1]
     nk = layout == "NK"
-    packed_shape = (n, k // CODES_PER_WORD) if nk else (k // CODES_PER_WORD, n)
+    per_word = CODES_PER_WORD if bits == 4 else 1
+    packed_shape = (n, k // per_word) if nk else (k // per_word, n)
     scale_shape = (n, k // GROUP) if nk else (k // GROUP, n)
     mine = packed_shape if name.endswith(".q_weight") else scale_shape
     if name in shapes and shapes[name] != mine:
         raise _mismatch(ckpt, name, shapes[name], mine)
-    packed = np.empty(packed_shape, np.uint32)
+    packed = np.empty(packed_shape, np.uint32 if bits == 4 else np.int8)
     scale = np.empty(scale_shape, np.float16)
     for r0, block in _row_blocks(ckpt, names, block_bytes):
-        p, s = quantize_q4(block, "NK")
+        p, s = (quantize_q4 if bits == 4 else quantize_q8)(block, "NK")
         r1 = r0 + len(block)
         if nk:
             packed[r0:r1], scale[r0:r1] = p, s
@@ -158,6 +161,7 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
     """
     block_bytes = int(block_bytes or DEFAULT_BLOCK_BYTES)
     shapes = {name: tuple(int(x) for x in p.shape) for name, p in params}
+    dtypes = {name: str(p.dtype) for name, p in params}
     pending: dict[str, np.ndarray] = {}
     packed = scale = None
     for i, (name, p) in enumerate(params):
@@ -171,8 +175,9 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
         elif name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
             tensor_layout = "NK" if base.endswith("embed_tokens") else layout
+            bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
             packed, scale = _convert_q4(ckpt, name, _source_names(ckpt, name, tied), tensor_layout, shapes,
-                                        block_bytes, on_bytes)
+                                        block_bytes, on_bytes, bits=bits)
             is_weight = name.endswith(".q_weight")
             arr = packed if is_weight else scale
             pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed

@@ -144,7 +144,7 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
             rows = _elems(outs[0], {}) if outs else None
             last = _eval(outs[0].shape[-1], {}) if outs and outs[0].shape else None
             kind = "gemv" if rows is not None and last and rows // last == 1 else "matmul"
-            return f"dequant-{kind}" if any(str(b.dtype) == "uint32" for b in ins) else kind
+            return f"dequant-{kind}" if any(str(b.dtype) in ("uint32", "int8") for b in ins) else kind
         return "reduction"
     pattern = func.attrs.get("op_pattern") if func.attrs else None
     if pattern is not None:

@@ -26,7 +26,7 @@ def _dequant_matmul_pattern():
 def _is_dequant_matmul(ctx: relax.transform.PatternCheckContext) -> bool:
     dq = ctx.annotated_expr["dequant"]
     mm = ctx.annotated_expr["matmul"]
-    return _callee_name(dq).startswith("dequantize_q4") and "matmul" in _callee_name(mm)
+    return _callee_name(dq).startswith(("dequantize_q4", "dequantize_q8")) and "matmul" in _callee_name(mm)
 
 
 def fuse_dequantize_matmul() -> tvm.transform.Pass:

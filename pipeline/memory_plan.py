@@ -67,7 +67,14 @@ from typing import NamedTuple
 __all__ = ["memory_plan", "plan_markdown", "QUANT_MODES", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-QUANT_MODES = ("q0f32", "q0f16", "q4f16")
+QUANT_MODES = ("q0f32", "q0f16", "q4f16", "q8f16")
+# A scheme's per-tensor rules name layer roles; these are the plan's tensor groups each role covers.
+ROLE_GROUPS = {
+    "embed_tokens": ("embedding",), "lm_head": ("lm_head",), "qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "o_proj": ("attn_o",), "gate_up_proj": ("mlp_gate", "mlp_up"), "down_proj": ("mlp_down",),
+    "in_proj": ("gdn_in_proj_qkv", "gdn_in_proj_z", "gdn_in_proj_b", "gdn_in_proj_a"),
+    "out_proj": ("gdn_out_proj",),
+}
 SUSTAINED_BANDWIDTH_SHARE = 0.6
 Q4_GROUP = 32
 GDN_CHUNK = 64
@@ -101,6 +108,8 @@ def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
     if quant == "q0f16":
         return n * 2, "float16"
     if len(shape) == 2 and shape[-1] % Q4_GROUP == 0:
+        if quant == "q8f16":   # int8 codes + one fp16 scale per group of 32
+            return n + (n // Q4_GROUP) * 2, "q8 g32 + fp16 scale"
         # 4-bit codes + one fp16 scale per group of 32 along the input dim
         return n // 2 + (n // Q4_GROUP) * 2, "q4 g32 + fp16 scale"
     return n * 2, "float16"
@@ -169,6 +178,15 @@ def _dims(cfg: dict) -> _Dims:
                  q_out=heads * head_dim * (2 if _output_gate(cfg) else 1), gdn=gdn)
 
 
+def modes_for_scheme(weight_format: str, weight_dtype: str, formats: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(default mode, {plan group: mode}) of a quantization scheme with per-role formats."""
+    def mode(fmt: str) -> str:
+        return {"q4": "q4f16", "q8": "q8f16"}.get(fmt, "q0f32" if weight_dtype == "float32" else "q0f16")
+
+    groups = {g: mode(fmt) for role, fmt in formats.items() for g in ROLE_GROUPS.get(role, ())}
+    return mode(weight_format), groups
+
+
 def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
     """(group, shape, count) for every weight tensor of the text model."""
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
@@ -224,14 +242,15 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
     return t
 
 
-def _weights(cfg: dict, quant: str) -> dict[str, dict]:
+def _weights(cfg: dict, quant: str, group_modes: dict[str, str] | None = None) -> dict[str, dict]:
     groups: dict[str, dict] = {}
     for group, shape, count in _tensors(cfg):
+        mode = (group_modes or {}).get(group, quant)
         params = math.prod(shape)
         if group == "gdn_decay":   # A_log / dt_bias stay fp32 in every scheme (exp of A_log overflows fp16)
             nbytes, precision = 4 * params, "float32"
         else:
-            nbytes, precision = _tensor_bytes(shape, quant)
+            nbytes, precision = _tensor_bytes(shape, mode)
         g = groups.setdefault(group, {"params": 0, "bytes": 0, "precision": precision})
         g["params"] += params * count
         g["bytes"] += nbytes * count
@@ -248,6 +267,7 @@ def memory_plan(
     contexts: Iterable[int] = (4096, 8192, 32768),
     prefill_chunk: int = 512,
     phone: dict | None = None,
+    group_modes: dict[str, str] | None = None,
 ) -> dict:
     """Memory / bandwidth plan of ``hf_config`` under ``quant``; see the module docstring for the model."""
     if quant not in QUANT_MODES:
@@ -260,7 +280,10 @@ def memory_plan(
     hidden, inter, vocab, heads, kv_heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.kv_heads, d.head_dim
     tied, types, n_full, n_lin = d.tied, d.types, d.n_full, d.n_lin
 
-    groups = _weights(cfg, quant)
+    bad = sorted(set((group_modes or {}).values()) - set(QUANT_MODES))
+    if bad:
+        raise ValueError(f"unknown quant {bad[0]!r} in group_modes; expected one of {QUANT_MODES}")
+    groups = _weights(cfg, quant, group_modes)
     total_params = sum(g["params"] for g in groups.values())
     total_bytes = sum(g["bytes"] for g in groups.values())
     emb = groups["embedding"]

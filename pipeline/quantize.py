@@ -49,3 +49,31 @@ def dequantize_q4(packed: np.ndarray, scale: np.ndarray, layout: str = "NK") -> 
     codes = (packed[..., None] >> shifts) & np.uint32(0xF)
     codes = codes.reshape(n, -1).astype(np.float32) - ZERO
     return codes * np.repeat(scale.astype(np.float32), GROUP, axis=1)
+
+
+Q8_MAX = 127
+
+
+def quantize_q8(w: np.ndarray, layout: str = "NK") -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> (int8 codes, fp16 scale) — symmetric int8, group 32 along K (like llama.cpp Q8_0).
+
+    scale = max|w| / 127 (fp16-rounded, codes computed against it); NK keeps codes [N, K] and scales
+    [N, K/32], KN their transposes (8.5 bits/weight)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"reduction dim {k} is not a multiple of the group size {GROUP}")
+    groups = w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)
+    scale16 = (np.abs(groups).max(axis=-1) / Q8_MAX).astype(np.float16)
+    scale = scale16.astype(np.float32)[..., None]
+    safe = np.where(scale == 0, 1.0, scale)
+    codes = np.clip(np.rint(groups / safe), -Q8_MAX, Q8_MAX).astype(np.int8).reshape(n, k)
+    if layout == "KN":
+        return np.ascontiguousarray(codes.T), np.ascontiguousarray(scale16.T)
+    return codes, scale16
+
+
+def dequantize_q8(codes: np.ndarray, scale: np.ndarray, layout: str = "NK") -> np.ndarray:
+    """Inverse of `quantize_q8`: -> [N, K] float32."""
+    if layout == "KN":
+        codes, scale = codes.T, scale.T
+    return codes.astype(np.float32) * np.repeat(scale.astype(np.float32), GROUP, axis=1)

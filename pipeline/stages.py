@@ -96,7 +96,7 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec) -> Defined:
     layout = quant.layout_for(target)
     act = quant.activation_dtype(target)
     factory = LayerFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
-                           layout=layout)
+                           layout=layout, formats=dict(quant.formats))
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
     return Defined(module, params, mod, layout, act)
@@ -239,11 +239,11 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
 def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, build_info: dict[str, Any],
                        out: Path, report: Reporter) -> None:
     """Memory / bandwidth plan for the target's phone (weights, KV at several contexts, activations)."""
-    from .memory_plan import memory_plan, plan_markdown
+    from .memory_plan import memory_plan, modes_for_scheme, plan_markdown
 
-    scheme = "q4f16" if quant.weight_format == "q4" else quant.name
+    scheme, group_modes = modes_for_scheme(quant.weight_format, quant.weight_dtype, quant.formats)
     try:
-        plan = memory_plan(loaded.hf_config, quant=scheme,
+        plan = memory_plan(loaded.hf_config, quant=scheme, group_modes=group_modes,
                            compute_dtype=build_info["metadata"]["activation_dtype"],
                            prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None)
     except ValueError as err:

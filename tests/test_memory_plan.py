@@ -213,7 +213,7 @@ def test_tiny_qwen35_matches_transformers():
     assert plan["recurrent_state"]["conv_bytes"] == 3 * (2 * 2 * 16 + 4 * 16) * 3 * 2
 
 
-@pytest.mark.parametrize("quant", ["q0f16", "q4f16"])
+@pytest.mark.parametrize("quant", ["q0f16", "q4f16", "q8f16", "mixed"])
 def test_plan_bytes_equal_the_compiled_models_parameters(qwen27b, quant):
     """The plan is computed from the config; the model definition declares the real parameters. They agree
     byte for byte (a 4-layer cut of the real 27B config, phone target, so activations/norms are fp16)."""
@@ -223,12 +223,15 @@ def test_plan_bytes_equal_the_compiled_models_parameters(qwen27b, quant):
 
     from pipeline import stages
     from pipeline.config import ModelSpec, load_quant, load_target
+    from pipeline.memory_plan import modes_for_scheme
 
     text = {**qwen27b["text_config"], "num_hidden_layers": 4,
             "layer_types": qwen27b["text_config"]["layer_types"][:4]}
     hf = {**qwen27b, "text_config": text}
     spec = ModelSpec(name="cut", hf_config=hf, weights=None)
     loaded = stages.load(spec)
-    defined = stages.define(loaded, load_quant(quant), load_target("android-adreno"))
+    spec_q = load_quant(quant)
+    defined = stages.define(loaded, spec_q, load_target("android-adreno"))
     real = sum(math.prod(int(x) for x in p.shape) * np.dtype(p.dtype).itemsize for _, p in defined.params)
-    assert memory_plan(hf, quant=quant)["weights_total"]["bytes"] == real
+    mode, group_modes = modes_for_scheme(spec_q.weight_format, spec_q.weight_dtype, spec_q.formats)
+    assert memory_plan(hf, quant=mode, group_modes=group_modes)["weights_total"]["bytes"] == real

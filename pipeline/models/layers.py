@@ -37,8 +37,21 @@ def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: i
         name=f"dequantize_{layout.lower()}")
 
 
+def dequantize_q8_te(codes: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
+    """TE for W^T[k, n] from int8 codes + fp16 scales (NK: codes [N, K], KN: codes [K, N])."""
+    def value(kk, nn_):
+        c = codes[nn_, kk] if layout == "NK" else codes[kk, nn_]
+        s = scale[nn_, kk // GROUP] if layout == "NK" else scale[kk // GROUP, nn_]
+        return c.astype(dtype) * s.astype(dtype)
+
+    return te.compute((k, n), value, name=f"dequantize_q8_{layout.lower()}")
+
+
 def dequantized_t(q_weight: Tensor, q_scale: Tensor, layout: str, k: int, n: int, dtype: str) -> Tensor:
     """W^T [k, n] from packed codes, as its own call so the fuse stage can fold it into the matmul."""
+    if q_weight.dtype == "int8":
+        return op.tensor_expr_op(lambda w, s: dequantize_q8_te(w, s, layout, k, n, dtype),
+                                 f"dequantize_q8_{layout.lower()}", [q_weight, q_scale])
     return op.tensor_expr_op(lambda w, s: dequantize_te(w, s, layout, k, n, dtype),
                              f"dequantize_q4_{layout.lower()}", [q_weight, q_scale])
 
@@ -61,17 +74,18 @@ class FloatLinear(nn.Module):
 
 
 class Q4Linear(nn.Module):
-    """Group-32 symmetric int4 weights with fp16 scales; `layout` is NK or KN."""
+    """Group-32 symmetric int4 weights with fp16 scales (`bits=8`: int8 codes); `layout` is NK or KN."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str,
-                 scale_dtype: str = "float16"):
+                 scale_dtype: str = "float16", bits: int = 4):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
         k, n = in_features, out_features
+        per_word, code_dtype = (CODES_PER_WORD, "uint32") if bits == 4 else (1, "int8")
         if layout == "NK":
-            self.q_weight = nn.Parameter((n, k // CODES_PER_WORD), "uint32")
+            self.q_weight = nn.Parameter((n, k // per_word), code_dtype)
             self.q_scale = nn.Parameter((n, k // GROUP), scale_dtype)
         else:
-            self.q_weight = nn.Parameter((k // CODES_PER_WORD, n), "uint32")
+            self.q_weight = nn.Parameter((k // per_word, n), code_dtype)
             self.q_scale = nn.Parameter((k // GROUP, n), scale_dtype)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
@@ -96,11 +110,12 @@ class FloatEmbedding(nn.Module):
 
 
 class Q4Embedding(nn.Module):
-    """Row-major (NK) int4 table: a gather reads whole rows, and the tied lm_head is a plain GEMV."""
+    """Row-major (NK) int4 table (`bits=8`: int8): a gather reads whole rows, the tied lm_head is a GEMV."""
 
-    def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16"):
+    def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16", bits: int = 4):
         self.num, self.dim, self.dtype = num, dim, dtype
-        self.q_weight = nn.Parameter((num, dim // CODES_PER_WORD), "uint32")
+        per_word, code_dtype = (CODES_PER_WORD, "uint32") if bits == 4 else (1, "int8")
+        self.q_weight = nn.Parameter((num, dim // per_word), code_dtype)
         self.q_scale = nn.Parameter((num, dim // GROUP), scale_dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -109,7 +124,8 @@ class Q4Embedding(nn.Module):
         dim, dtype = self.dim, self.dtype
 
         def gather_dequant(w: te.Tensor, s: te.Tensor):
-            t = dequantize_te(w, s, "NK", dim, w.shape[0], dtype)  # [dim, seq]
+            deq = dequantize_q8_te if w.dtype == "int8" else dequantize_te
+            t = deq(w, s, "NK", dim, w.shape[0], dtype)  # [dim, seq]
             return te.compute((w.shape[0], dim), lambda i, j: t[j, i], name="embed_dequant")
 
         return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [rows, scales])
@@ -118,22 +134,36 @@ class Q4Embedding(nn.Module):
         return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, "NK", self.dim, self.num, self.dtype))
 
 
+FORMAT_BITS = {"q4": 4, "q8": 8}
+
+
 @dataclass
 class LayerFactory:
-    """Builds each layer in the storage the quantization scheme asks for."""
+    """Builds each layer in the storage the quantization scheme asks for.
+
+    `formats` maps a layer's role (qkv_proj, o_proj, gate_up_proj, down_proj, in_proj, out_proj, lm_head,
+    embed_tokens) to a format (float | q4 | q8) — a scheme's per-tensor rules; the rest get `weight_format`.
+    """
 
     dtype: str                 # activation / compute dtype
-    weight_format: str         # "float" or "q4"
+    weight_format: str         # "float", "q4" or "q8"
     weight_dtype: str = "float32"
     layout: str = "NK"
     scale_dtype: str = "float16"   # float32 only to execute kernels on fp16-less OpenCL (PoCL) in tests
+    formats: dict[str, str] | None = None
 
-    def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        if self.weight_format == "q4" and in_features % GROUP == 0:
-            return Q4Linear(in_features, out_features, bias, self.dtype, self.layout, self.scale_dtype)
+    def format_for(self, role: str) -> str:
+        return (self.formats or {}).get(role, self.weight_format)
+
+    def linear(self, in_features: int, out_features: int, bias: bool, role: str = "") -> nn.Module:
+        fmt = self.format_for(role)
+        if fmt in FORMAT_BITS and in_features % GROUP == 0:
+            return Q4Linear(in_features, out_features, bias, self.dtype, self.layout, self.scale_dtype,
+                            bits=FORMAT_BITS[fmt])
         return FloatLinear(in_features, out_features, bias, self.weight_dtype)
 
     def embedding(self, num: int, dim: int) -> nn.Module:
-        if self.weight_format == "q4" and dim % GROUP == 0:
-            return Q4Embedding(num, dim, self.dtype, self.scale_dtype)
+        fmt = self.format_for("embed_tokens")
+        if fmt in FORMAT_BITS and dim % GROUP == 0:
+            return Q4Embedding(num, dim, self.dtype, self.scale_dtype, bits=FORMAT_BITS[fmt])
         return FloatEmbedding(num, dim, self.weight_dtype, self.dtype)

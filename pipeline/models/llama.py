@@ -112,8 +112,8 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.layer_id = layer_id
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-        self.qkv_proj = make.linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
-        self.o_proj = make.linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = make.linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias, role="qkv_proj")
+        self.o_proj = make.linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False, role="o_proj")
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False, dtype=make.dtype)
             self.k_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False, dtype=make.dtype)
@@ -133,8 +133,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, make: LayerFactory):
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = make.linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = make.linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = make.linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, role="gate_up_proj")
+        self.down_proj = make.linear(cfg.intermediate_size, cfg.hidden_size, bias=False, role="down_proj")
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -175,7 +175,7 @@ class DecoderLM(nn.Module):
         self.target = target
         self.model = Backbone(cfg, make)
         if not cfg.tie_word_embeddings:
-            self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False, role="lm_head")
 
     def _logits(self, h: Tensor) -> Tensor:
         if self.cfg.tie_word_embeddings:

@@ -166,8 +166,8 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: HybridConfig, make: LayerFactory, kv_layer: int):
         self.cfg, self.kv_layer = cfg, kv_layer
         nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = make.linear(cfg.hidden_size, 2 * nq * d + 2 * nkv * d, bias=cfg.attention_bias)
-        self.o_proj = make.linear(nq * d, cfg.hidden_size, bias=False)
+        self.qkv_proj = make.linear(cfg.hidden_size, 2 * nq * d + 2 * nkv * d, bias=cfg.attention_bias, role="qkv_proj")
+        self.o_proj = make.linear(nq * d, cfg.hidden_size, bias=False, role="o_proj")
         self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps, make.dtype)
         self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps, make.dtype)
 
@@ -265,12 +265,12 @@ class GatedDeltaNet(nn.Module):
         self.gpu, self.max_threads = gpu, max_threads
         hv = cfg.linear_num_value_heads
         self.value_dim = hv * cfg.linear_value_head_dim
-        self.in_proj = make.linear(cfg.hidden_size, cfg.conv_dim + self.value_dim + 2 * hv, bias=False)
+        self.in_proj = make.linear(cfg.hidden_size, cfg.conv_dim + self.value_dim + 2 * hv, bias=False, role="in_proj")
         self.conv1d = Conv1dWeight(cfg.conv_dim, cfg.linear_conv_kernel_dim, make.weight_dtype)
         self.A_log = nn.Parameter((hv,), "float32")
         self.dt_bias = nn.Parameter((hv,), "float32")
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, make.dtype)
-        self.out_proj = make.linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = make.linear(self.value_dim, cfg.hidden_size, bias=False, role="out_proj")
 
     def forward(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
         c, dtype, layer = self.cfg, self.dtype, self.state_layer
@@ -359,7 +359,7 @@ class HybridLM(nn.Module):
         gpu, threads = _gpu_info(target)
         self.model = HybridBackbone(cfg, make, gpu, threads)
         if not cfg.tie_word_embeddings:
-            self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False, role="lm_head")
 
     def _logits(self, h: Tensor) -> Tensor:
         logits = self.model.embed_tokens.lm_head(h) if self.cfg.tie_word_embeddings else self.lm_head(h)
