@@ -295,7 +295,12 @@ def main(paths: list[str], as_json: bool = False, html: str | None = None) -> in
             raise PipelineError("--html renders one bundle's report", fix="python -m pipeline report A --html OUT")
         from .report_html import coverage_html
 
-        Path(html).write_text(coverage_html(reports[0], load_memory(paths[0])))
+        page = coverage_html(reports[0], load_memory(paths[0]))
+        try:
+            Path(html).write_text(page)
+        except OSError as err:
+            raise PipelineError(f"cannot write the HTML page ({err.strerror})", path=html,
+                                fix="give --html a path in an existing, writable folder") from None
     if len(paths) == 1:
         result = summarize(reports[0], str(paths[0]))
         text = summary_text(result)

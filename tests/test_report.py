@@ -119,6 +119,16 @@ def test_cli_single_summary(tmp_path):
     assert proc.returncode == 0 and json.loads(proc.stdout)["decode_step"]["cpu"]["bytes"] == 100
 
 
+def test_cli_html_for_one_bundle(tmp_path):
+    a = _write(tmp_path, "a", A)
+    out = tmp_path / "page.html"
+    proc = report_cli(a, "--html", out)
+    assert proc.returncode == 0, proc.stderr
+    check_page(out.read_text(), A, None)
+    proc = report_cli(a, "--html", tmp_path / "no" / "such" / "page.html")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "page.html" in proc.stderr
+
+
 def _not_json(tmp_path: Path) -> tuple[Path, Path]:
     bundle = _write(tmp_path, "corrupt", A)
     js = bundle / "reports" / "coverage.json"
