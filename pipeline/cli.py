@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline build|run`. User mistakes end in one line, exit code 2."""
+"""Command line: `python -m pipeline build|run|report`. User mistakes end in one line, exit code 2."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def _run(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from .report import main as report_main
+
+    return report_main(args.bundles, as_json=args.json, html=args.html)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +58,15 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=_run)
+    c = sub.add_parser("report", help="a bundle's coverage summary, or the coverage diff of two bundles",
+                       description="One bundle: its coverage summary. Two: what changed from A to B (kernels "
+                                   "moved between CPU and accelerator, kernels only in one, accelerator shares, "
+                                   "op classes).")
+    c.add_argument("bundles", nargs="+", metavar="BUNDLE", help="a bundle folder or its reports/coverage.json (1 or 2)")
+    c.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    c.add_argument("--html", default=None, metavar="OUT",
+                   help="also write the HTML coverage page for one bundle to OUT")
+    c.set_defaults(func=_report)
     return p
 
 

@@ -198,6 +198,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
     """Assemble dist/<model>-<quant>-<target>/ in a temp dir and rename it into place."""
     from .bundle import atomic_dir, tool_versions, write_manifest
     from .chat_config import chat_config
+    from .report_html import write_coverage_html
 
     name = f"{loaded.spec.name}-{quant.name}-{target.name}"
     final = out_root / name
@@ -214,6 +215,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         for name in ("coverage.json", "coverage.md"):
             shutil.copyfile(lib_dir / name, tmp / "reports" / name)
         _write_memory_plan(loaded, quant, target, build_info, tmp / "reports", report)
+        write_coverage_html(tmp / "reports")   # reports/coverage.html: coverage + memory plan, self-contained
         if weights is not None:
             for f in sorted(weights.iterdir()):
                 _link_or_copy(f, tmp / f.name)
