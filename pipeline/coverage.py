@@ -276,6 +276,8 @@ def relax_callers(mod: tvm.IRModule) -> tuple[dict[str, dict[str, int]], dict[st
 
 
 def _placement(record: Any, target: Any) -> str:
+    if getattr(target, "npu", None):
+        return "NPU" if record is not None and record.on_device else "CPU"
     device = "GPU" if target.device == "gpu" else str(target.device).upper()
     if record is None:
         return device if target.device == "gpu" else "CPU"
@@ -309,6 +311,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
             "name": name, "op_class": cls, "placement": _placement(record, target),
             "rule": record.rule if record else "unrecorded",
             "callers": direct, "kv_cache_calls": indirect, "params": _params(func)}
+        if record is not None and getattr(record, "reason", ""):
+            row["reason"] = record.reason
         for phase, (funcs, env) in phases.items():
             n_calls = sum(direct.get(f, 0) for f in funcs) + sum(indirect.get(f, 0) for f in funcs)
             nbytes, flops = _cost(cls, func, text, env)
@@ -319,8 +323,48 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
                           "bytes": nbytes * n_calls if costed else None,
                           "flops": flops * n_calls if costed else None, "costed": costed}
         rows.append(row)
-    return {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
-            "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
+    report = {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
+              "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
+    if getattr(target, "npu", None):
+        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len})
+    return report
+
+
+def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]) -> dict[str, Any]:
+    """CPU<->NPU hand-overs in one decode step: walk `decode`'s kernel calls in order (KV-cache attention,
+    dispatched by the runtime, runs on the CPU); each change of unit is a crossing that moves the
+    outputs of the last kernel before it (the activations; weights stay where they are)."""
+    placement = {r["name"]: r["placement"] for r in rows}
+    call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
+    seq: list[tuple[str, str]] = []
+    for gv, func in mod.functions_items():
+        if gv.name_hint != "decode" or not isinstance(func, relax.Function):
+            continue
+
+        def visit(node):
+            if not isinstance(node, relax.Call):
+                return
+            if any(node.op.same_as(op) for op in call_tir_ops) and isinstance(node.args[0], tvm.ir.GlobalVar):
+                name = node.args[0].name_hint
+                seq.append((name, placement.get(name, "CPU")))
+            elif any(isinstance(a, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(a.global_symbol)
+                     for a in [node.op, *node.args]):
+                seq.append(("kv-cache attention", "CPU"))
+
+        relax.analysis.post_order_visit(func.body, visit)
+    n, moved = 0, 0
+    for (prev, unit), (_, nxt) in zip(seq, seq[1:], strict=False):
+        if unit == nxt:
+            continue
+        n += 1
+        if prev in mod.get_global_vars() or any(gv.name_hint == prev for gv in mod.get_global_vars()):
+            func = mod[prev]
+            text = func.script()
+            moved += sum(_nbytes(b, env) or 0 for b in _written(func, text))
+        # the attention builtin's output is the attention result; counted from the next kernel's inputs
+    return {"decode_calls": len(seq), "npu_calls": sum(1 for _, u in seq if u == "NPU"),
+            "crossings_per_token": n, "bytes_moved_per_token": moved,
+            "note": "estimate: a crossing moves the outputs of the kernel before it; attention outputs not counted"}
 
 
 def _pct(part: float, total: float) -> float:
@@ -407,7 +451,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         ph = s["phone"]
         lines += ["", f"Estimated decode step on {ph['name']}: {ph['decode_step_ms']} ms "
                   f"({ph['bandwidth_gbs']} GB/s x {EFFECTIVE_BANDWIDTH}; {ph['note']})."]
-    lines += ["", "## Op classes", "", "| op class | kernels | GPU | CPU | decode calls | decode bytes | decode FLOPs |",
+    if "crossings" in s:
+        c = s["crossings"]
+        lines += ["", f"CPU<->NPU crossings per decoded token: {c['crossings_per_token']} "
+                  f"({c['npu_calls']} of {c['decode_calls']} decode kernel calls on the NPU), moving about "
+                  f"{_fmt_bytes(c['bytes_moved_per_token'])} per token ({c['note']})."]
+    acc = "NPU" if "crossings" in s else "GPU"
+    lines += ["", "## Op classes", "", f"| op class | kernels | {acc} | CPU | decode calls | decode bytes | decode FLOPs |",
               "|---|---|---|---|---|---|---|"]
     for cls, c in list(s["op_classes"].items()) + [("**Total**", s["op_classes_total"])]:
         lines.append(f"| {cls} | {c['kernels']} | {c['gpu']} | {c['cpu']} | {c['decode_calls']} "
@@ -415,13 +465,17 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Kernels", "",
               "| kernel | op class | placement | rule | callers | decode calls | decode bytes | decode FLOPs "
               "| prefill calls | prefill bytes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    reasons = any("reason" in r for r in report["kernels"])
+    if reasons:
+        lines[-2] += " reason |"
+        lines[-1] += "---|"
     for r in report["kernels"]:
         who = {**r["callers"], **{f"{k} (kv-cache)": v for k, v in r["kv_cache_calls"].items()}}
         callers = ", ".join(f"{k}×{v}" for k, v in sorted(who.items())) or "-"
         d, p = r["decode_step"], r["prefill_chunk"]
         lines.append(f"| `{r['name']}` | {r['op_class']} | {r['placement']} | {r['rule']} | {callers} "
                      f"| {d['calls']} | {_fmt_bytes(d['bytes'])} | {_fmt_num(d['flops'])} "
-                     f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |")
+                     f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |" + (f" {r.get('reason', '')} |" if reasons else ""))
     return "\n".join(lines) + "\n"
 
 

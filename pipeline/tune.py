@@ -61,6 +61,7 @@ class KernelSchedule:
     name: str
     rule: str          # rule name, "library" (shipped pre-scheduled by TVM), or "cpu-default"
     on_device: bool
+    reason: str = ""   # why a kernel is placed where it is (NPU targets)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
