@@ -331,40 +331,63 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
 
 
 def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]) -> dict[str, Any]:
-    """CPU<->NPU hand-overs in one decode step: walk `decode`'s kernel calls in order (KV-cache attention,
-    dispatched by the runtime, runs on the CPU); each change of unit is a crossing that moves the
-    outputs of the last kernel before it (the activations; weights stay where they are)."""
+    """CPU<->NPU hand-overs in one decode step. `decode`'s kernel calls are walked in binding order
+    (KV-cache attention, dispatched by the runtime, runs on the CPU); each change of unit between
+    consecutive calls is a crossing, and the bytes moved are the tensors a call reads that a call on
+    the other unit produced (activations; weights and states stay where they live)."""
     placement = {r["name"]: r["placement"] for r in rows}
     call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
-    seq: list[tuple[str, str]] = []
-    for gv, func in mod.functions_items():
-        if gv.name_hint != "decode" or not isinstance(func, relax.Function):
-            continue
+    decode = next((f for gv, f in mod.functions_items()
+                   if gv.name_hint == "decode" and isinstance(f, relax.Function)), None)
+    units: list[str] = []
+    producer: dict[Any, str] = {}
+    moved = 0
 
-        def visit(node):
-            if not isinstance(node, relax.Call):
-                return
-            if any(node.op.same_as(op) for op in call_tir_ops) and isinstance(node.args[0], tvm.ir.GlobalVar):
-                name = node.args[0].name_hint
-                seq.append((name, placement.get(name, "CPU")))
-            elif any(isinstance(a, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(a.global_symbol)
-                     for a in [node.op, *node.args]):
-                seq.append(("kv-cache attention", "CPU"))
+    def unit_of(call: relax.Call) -> str | None:
+        if any(call.op.same_as(op) for op in call_tir_ops) and isinstance(call.args[0], tvm.ir.GlobalVar):
+            return placement.get(call.args[0].name_hint, "CPU")
+        if any(isinstance(a, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(a.global_symbol)
+               for a in [call.op, *call.args]):
+            return "CPU"
+        return None
 
-        relax.analysis.post_order_visit(func.body, visit)
-    n, moved = 0, 0
-    for (prev, unit), (_, nxt) in zip(seq, seq[1:], strict=False):
-        if unit == nxt:
-            continue
-        n += 1
-        if prev in mod.get_global_vars() or any(gv.name_hint == prev for gv in mod.get_global_vars()):
-            func = mod[prev]
-            text = func.script()
-            moved += sum(_nbytes(b, env) or 0 for b in _written(func, text))
-        # the attention builtin's output is the attention result; counted from the next kernel's inputs
-    return {"decode_calls": len(seq), "npu_calls": sum(1 for _, u in seq if u == "NPU"),
-            "crossings_per_token": n, "bytes_moved_per_token": moved,
-            "note": "estimate: a crossing moves the outputs of the kernel before it; attention outputs not counted"}
+    def tensor_vars(expr: Any) -> list[Any]:
+        if isinstance(expr, relax.Tuple):
+            return [v for f in expr.fields for v in tensor_vars(f)]
+        return [expr] if isinstance(expr, relax.Var) else []
+
+    def var_bytes(var: Any) -> int:
+        ty = var.ty
+        if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+            return 0
+        n = 1
+        for d in ty.shape.values:
+            v = _eval(d, env)
+            if v is None:
+                return 0
+            n *= v
+        return n * max(1, tvm.runtime.DataType(str(ty.dtype)).bits // 8)
+
+    blocks = decode.body.blocks if decode is not None and isinstance(decode.body, relax.SeqExpr) else []
+    for block in blocks:
+        for binding in block.bindings:
+            value = getattr(binding, "value", None)
+            if isinstance(value, relax.TupleGetItem) and value.tuple_value in producer:
+                producer[binding.var] = producer[value.tuple_value]
+                continue
+            if not isinstance(value, relax.Call):
+                continue
+            unit = unit_of(value)
+            if unit is None:
+                continue
+            args = value.args[1] if any(value.op.same_as(op) for op in call_tir_ops) else relax.Tuple(value.args)
+            moved += sum(var_bytes(v) for v in tensor_vars(args) if producer.get(v, unit) != unit)
+            producer[binding.var] = unit
+            units.append(unit)
+    n = sum(1 for a, b in zip(units, units[1:], strict=False) if a != b)
+    return {"decode_calls": len(units), "npu_calls": units.count("NPU"), "crossings_per_token": n,
+            "bytes_moved_per_token": moved,
+            "note": "estimate: tensors one unit reads that the other produced; weights and states not moved"}
 
 
 def _pct(part: float, total: float) -> float:
