@@ -14,6 +14,8 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from .errors import CompileError
+
 
 def attach_metadata(mod: tvm.IRModule, metadata: dict[str, Any]) -> tvm.IRModule:
     """`_metadata()` returns the JSON an app runtime reads before loading weights."""
@@ -45,7 +47,15 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, *, library: str,
     """Compile and export; returns the library path inside out_dir."""
     if system_lib:
         mod = mod.with_attr("system_lib_prefix", prefix)
-    executable = relax.build(mod, target, relax_pipeline=lowering_pipeline(target), system_lib=system_lib)
+    try:
+        executable = relax.build(mod, target, relax_pipeline=lowering_pipeline(target), system_lib=system_lib)
+    except TypeError as err:
+        if system_lib and "Cannot treat type `ir.Call`" in str(err):
+            # TVM 0.27's AttachGlobalSymbol cannot rename kernels holding tvm_access_ptr (Metal simdgroup
+            # MMA from dlight's Matmul) for a system-lib prefix.
+            raise CompileError("TVM 0.27 cannot give system-lib names to tensorized (simdgroup/MMA) kernels",
+                               fix="use the matmul_simt schedule rule instead of matmul for this target") from None
+        raise
     out_dir.mkdir(parents=True, exist_ok=True)
     if library == "so":
         path = out_dir / f"{prefix}model.so"

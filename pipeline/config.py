@@ -59,6 +59,7 @@ class TargetSpec:
     requires_codegen: str | None = None
     capabilities: dict[str, Any] = field(default_factory=dict)
     phone: dict[str, Any] = field(default_factory=dict)
+    npu: dict[str, Any] = field(default_factory=dict)   # second library for an NPU (see pipeline/hexagon.py)
     path: Path | None = None
 
     def tvm(self):

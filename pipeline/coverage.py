@@ -276,6 +276,8 @@ def relax_callers(mod: tvm.IRModule) -> tuple[dict[str, dict[str, int]], dict[st
 
 
 def _placement(record: Any, target: Any) -> str:
+    if getattr(target, "npu", None):
+        return "NPU" if record is not None and record.on_device else "CPU"
     device = "GPU" if target.device == "gpu" else str(target.device).upper()
     if record is None:
         return device if target.device == "gpu" else "CPU"
@@ -309,6 +311,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
             "name": name, "op_class": cls, "placement": _placement(record, target),
             "rule": record.rule if record else "unrecorded",
             "callers": direct, "kv_cache_calls": indirect, "params": _params(func)}
+        if record is not None and getattr(record, "reason", ""):
+            row["reason"] = record.reason
         for phase, (funcs, env) in phases.items():
             n_calls = sum(direct.get(f, 0) for f in funcs) + sum(indirect.get(f, 0) for f in funcs)
             nbytes, flops = _cost(cls, func, text, env)
@@ -319,8 +323,71 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
                           "bytes": nbytes * n_calls if costed else None,
                           "flops": flops * n_calls if costed else None, "costed": costed}
         rows.append(row)
-    return {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
-            "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
+    report = {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
+              "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
+    if getattr(target, "npu", None):
+        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len})
+    return report
+
+
+def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]) -> dict[str, Any]:
+    """CPU<->NPU hand-overs in one decode step. `decode`'s kernel calls are walked in binding order
+    (KV-cache attention, dispatched by the runtime, runs on the CPU); each change of unit between
+    consecutive calls is a crossing, and the bytes moved are the tensors a call reads that a call on
+    the other unit produced (activations; weights and states stay where they live)."""
+    placement = {r["name"]: r["placement"] for r in rows}
+    call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
+    decode = next((f for gv, f in mod.functions_items()
+                   if gv.name_hint == "decode" and isinstance(f, relax.Function)), None)
+    units: list[str] = []
+    producer: dict[Any, str] = {}
+    moved = 0
+
+    def unit_of(call: relax.Call) -> str | None:
+        if any(call.op.same_as(op) for op in call_tir_ops) and isinstance(call.args[0], tvm.ir.GlobalVar):
+            return placement.get(call.args[0].name_hint, "CPU")
+        if any(isinstance(a, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(a.global_symbol)
+               for a in [call.op, *call.args]):
+            return "CPU"
+        return None
+
+    def tensor_vars(expr: Any) -> list[Any]:
+        if isinstance(expr, relax.Tuple):
+            return [v for f in expr.fields for v in tensor_vars(f)]
+        return [expr] if isinstance(expr, relax.Var) else []
+
+    def var_bytes(var: Any) -> int:
+        ty = var.ty
+        if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+            return 0
+        n = 1
+        for d in ty.shape.values:
+            v = _eval(d, env)
+            if v is None:
+                return 0
+            n *= v
+        return n * max(1, tvm.runtime.DataType(str(ty.dtype)).bits // 8)
+
+    blocks = decode.body.blocks if decode is not None and isinstance(decode.body, relax.SeqExpr) else []
+    for block in blocks:
+        for binding in block.bindings:
+            value = getattr(binding, "value", None)
+            if isinstance(value, relax.TupleGetItem) and value.tuple_value in producer:
+                producer[binding.var] = producer[value.tuple_value]
+                continue
+            if not isinstance(value, relax.Call):
+                continue
+            unit = unit_of(value)
+            if unit is None:
+                continue
+            args = value.args[1] if any(value.op.same_as(op) for op in call_tir_ops) else relax.Tuple(value.args)
+            moved += sum(var_bytes(v) for v in tensor_vars(args) if producer.get(v, unit) != unit)
+            producer[binding.var] = unit
+            units.append(unit)
+    n = sum(1 for a, b in zip(units, units[1:], strict=False) if a != b)
+    return {"decode_calls": len(units), "npu_calls": units.count("NPU"), "crossings_per_token": n,
+            "bytes_moved_per_token": moved,
+            "note": "estimate: tensors one unit reads that the other produced; weights and states not moved"}
 
 
 def _pct(part: float, total: float) -> float:
@@ -407,7 +474,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         ph = s["phone"]
         lines += ["", f"Estimated decode step on {ph['name']}: {ph['decode_step_ms']} ms "
                   f"({ph['bandwidth_gbs']} GB/s x {EFFECTIVE_BANDWIDTH}; {ph['note']})."]
-    lines += ["", "## Op classes", "", "| op class | kernels | GPU | CPU | decode calls | decode bytes | decode FLOPs |",
+    if "crossings" in s:
+        c = s["crossings"]
+        lines += ["", f"CPU<->NPU crossings per decoded token: {c['crossings_per_token']} "
+                  f"({c['npu_calls']} of {c['decode_calls']} decode kernel calls on the NPU), moving about "
+                  f"{_fmt_bytes(c['bytes_moved_per_token'])} per token ({c['note']})."]
+    acc = "NPU" if "crossings" in s else "GPU"
+    lines += ["", "## Op classes", "", f"| op class | kernels | {acc} | CPU | decode calls | decode bytes | decode FLOPs |",
               "|---|---|---|---|---|---|---|"]
     for cls, c in list(s["op_classes"].items()) + [("**Total**", s["op_classes_total"])]:
         lines.append(f"| {cls} | {c['kernels']} | {c['gpu']} | {c['cpu']} | {c['decode_calls']} "
@@ -415,13 +488,17 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Kernels", "",
               "| kernel | op class | placement | rule | callers | decode calls | decode bytes | decode FLOPs "
               "| prefill calls | prefill bytes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    reasons = any("reason" in r for r in report["kernels"])
+    if reasons:
+        lines[-2] += " reason |"
+        lines[-1] += "---|"
     for r in report["kernels"]:
         who = {**r["callers"], **{f"{k} (kv-cache)": v for k, v in r["kv_cache_calls"].items()}}
         callers = ", ".join(f"{k}×{v}" for k, v in sorted(who.items())) or "-"
         d, p = r["decode_step"], r["prefill_chunk"]
         lines.append(f"| `{r['name']}` | {r['op_class']} | {r['placement']} | {r['rule']} | {callers} "
                      f"| {d['calls']} | {_fmt_bytes(d['bytes'])} | {_fmt_num(d['flops'])} "
-                     f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |")
+                     f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |" + (f" {r.get('reason', '')} |" if reasons else ""))
     return "\n".join(lines) + "\n"
 
 

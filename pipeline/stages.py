@@ -179,6 +179,10 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
             mod = fuse(defined, target)
         with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
             mod, schedules = tune(mod, target)
+        if target.npu:
+            from .hexagon import partition
+
+            schedules = partition(mod, schedules, target.npu, loaded.decoder.vocab_size)
         from .coverage import coverage_report, write_coverage
 
         coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size)
@@ -188,7 +192,13 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                                 system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
         # No timings in here: it goes into the bundle, whose manifest must be reproducible.
         info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
-                "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device} for s in schedules]}
+                "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
+                             **({"reason": s.reason} if s.reason else {})} for s in schedules]}
+        if target.npu:
+            from .hexagon import build_npu_library
+
+            with report.step(f"compile NPU kernels ({target.npu.get('name', 'npu')})"):
+                info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
         (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return out, info
 
@@ -210,6 +220,8 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
     with atomic_dir(final) as tmp:
         (tmp / "lib").mkdir()
         _link_or_copy(lib_dir / build_info["library"], tmp / "lib" / build_info["library"])
+        if build_info.get("npu_library"):
+            _link_or_copy(lib_dir / build_info["npu_library"], tmp / "lib" / build_info["npu_library"])
         (tmp / "reports").mkdir()
         shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
         for name in ("coverage.json", "coverage.md"):

@@ -24,6 +24,7 @@ def _rules():
     return {
         "gemv": dl.gpu.GEMV,
         "matmul": dl.gpu.Matmul,
+        "matmul_simt": _simt_matmul_rule(),
         "reduction": dl.gpu.Reduction,
         "general_reduction": dl.gpu.GeneralReduction,
         "fallback": dl.gpu.Fallback,
@@ -33,11 +34,34 @@ def _rules():
     }
 
 
+def _simt_matmul_rule():
+    """dlight's Matmul with its thread-tiled (SIMT) schedule on every GPU, Metal included.
+
+    On Metal, dlight's Matmul switches to simdgroup-MMA tensorization. Those kernels carry
+    `tvm_access_ptr(type_annotation(...), ...)` arguments, and TVM 0.27's AttachGlobalSymbol crashes on
+    them ("Cannot treat type ir.Call as ir.Expr") when it renames functions for a system-lib prefix — which
+    every iOS/Android `.tar` library needs. This rule schedules the matmul as if for a generic GPU (the
+    same tiling dlight uses for Metal when tensorization does not apply), so the prefill matmuls stay on
+    the GPU and the library builds.
+    """
+    from tvm.s_tir import dlight as dl
+
+    class SIMTMatmul(dl.gpu.Matmul):
+        def apply(self, func, target, tunable):
+            if target.kind.name == "metal":
+                target = tvm.target.Target({"kind": "opencl", "max_threads_per_block":
+                                            int(target.attrs["max_threads_per_block"])})
+            return super().apply(func, target, tunable)
+
+    return SIMTMatmul
+
+
 @dataclass(frozen=True)
 class KernelSchedule:
     name: str
     rule: str          # rule name, "library" (shipped pre-scheduled by TVM), or "cpu-default"
     on_device: bool
+    reason: str = ""   # why a kernel is placed where it is (NPU targets)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
