@@ -8,6 +8,7 @@ MODEL   ?= smollm2-135m
 TARGET  ?= android-adreno
 QUANT   ?= q4f16
 OUT     ?= dist
+PHONE   ?=
 PROMPT  ?= What is the capital of France?
 RUN_TARGET ?= host-cpu
 RUN_QUANT  ?= q4f16
@@ -49,7 +50,7 @@ system-deps:
 	fi
 
 build: $(STAMP)
-	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT)
+	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE))
 
 run: $(STAMP)
 	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT)

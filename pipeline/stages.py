@@ -204,7 +204,8 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
 
 
 def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | None, lib_dir: Path,
-         build_info: dict[str, Any], out_root: Path, report: Reporter, request_key: str = "") -> Path:
+         build_info: dict[str, Any], out_root: Path, report: Reporter, request_key: str = "",
+         extra_reports: dict[str, str] | None = None) -> Path:
     """Assemble dist/<model>-<quant>-<target>/ in a temp dir and rename it into place."""
     from .bundle import atomic_dir, tool_versions, write_manifest
     from .chat_config import chat_config
@@ -213,7 +214,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
     name = f"{loaded.spec.name}-{quant.name}-{target.name}"
     final = out_root / name
     build_key = _digest({"weights": weights.name if weights else None, "lib": build_info["key"],
-                         "code": source_hash()})
+                         "code": source_hash(), "reports": extra_reports or {}, "phone": target.phone})
     if _bundle_current(final, build_key):
         report.info(f"emit: {final} is up to date (build key {build_key})")
         return final
@@ -227,6 +228,8 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         for name in ("coverage.json", "coverage.md"):
             shutil.copyfile(lib_dir / name, tmp / "reports" / name)
         _write_memory_plan(loaded, quant, target, build_info, tmp / "reports", report)
+        for name, text in (extra_reports or {}).items():
+            (tmp / "reports" / name).write_text(text)
         write_coverage_html(tmp / "reports")   # reports/coverage.html: coverage + memory plan, self-contained
         if weights is not None:
             for f in sorted(weights.iterdir()):
@@ -248,6 +251,23 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
                               "library": f"lib/{build_info['library']}", "has_weights": weights is not None,
                               "request_key": request_key})
     return final
+
+
+def choose_formats(loaded: Loaded, quant: QuantSpec, target: TargetSpec,
+                   report: Reporter) -> tuple[QuantSpec, dict[str, str]]:
+    """QUANT=auto: per-role formats that fit the phone (see auto_quant.py); the plan is printed and saved."""
+    import dataclasses
+
+    from .auto_quant import auto_markdown, plan_auto
+
+    result = plan_auto(loaded.hf_config, phone=target.phone, context=int(quant.auto_context),
+                       compute_dtype=quant.activation_dtype(target), prefill_chunk=loaded.decoder.prefill_chunk_size,
+                       ckpt=loaded.checkpoint, model_name=loaded.spec.name)
+    text = auto_markdown(result)
+    report.info(text.rstrip())
+    saved = {k: v for k, v in result.items() if k != "plan"}
+    return (dataclasses.replace(quant, formats=result["formats"]),
+            {"quant_auto.md": text, "quant_auto.json": json.dumps(saved, indent=1, sort_keys=True, default=str)})
 
 
 def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, build_info: dict[str, Any],
@@ -318,13 +338,21 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
 
 
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
-                 report: Reporter | None = None) -> BuildResult:
+                 report: Reporter | None = None, phone: str | dict | None = None) -> BuildResult:
+    """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
+    and QUANT=auto."""
+    import dataclasses
+
+    from .config import load_phone
+
     report = report or Reporter()
     t0 = time.time()
     target_spec = load_target(target)
+    if phone is not None:
+        target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
     quant_spec = load_quant(quant)
     model_spec = load_model(model, weights)
-    req = request_key(model_spec, quant_spec, target_spec)
+    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
     if _bundle_current(final, req, field="request_key"):
         report.info(f"{final} is up to date (cache hit: inputs unchanged, all files intact)")
@@ -332,10 +360,13 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
         return BuildResult(final, time.time() - t0, True, has_weights)
     with report.step(f"load {model_spec.name}"):
         loaded = load(model_spec)
+    extra_reports: dict[str, str] = {}
+    if quant_spec.auto_context:
+        quant_spec, extra_reports = choose_formats(loaded, quant_spec, target_spec, report)
     defined = define(loaded, quant_spec, target_spec)
     weights_dir = quantize(loaded, defined, quant_spec, report)
     lib_dir, info = build(loaded, defined, quant_spec, target_spec, report)
     bundle = emit(loaded, quant_spec, target_spec, weights_dir, lib_dir, info, Path(out), report,
-                  request_key=req)
+                  request_key=req, extra_reports=extra_reports)
     seconds = time.time() - t0
     return BuildResult(bundle, seconds, report.all_cached, weights_dir is not None)

@@ -1,0 +1,86 @@
+"""QUANT=auto: per-role formats chosen to fit a phone's budget (pipeline/auto_quant.py).
+
+qwen27b (real config) at 8K context: fits a 24 GB Android phone with some roles upgraded to q8, is refused
+in one line on a 16 GB Android phone and a 12 GB iPhone (q4 everywhere is already 15.9 GB). The plan's
+accounting is checked against the sizes of the tensors a real build emits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.auto_quant import plan_auto
+from pipeline.config import load_model, load_phone
+from pipeline.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def qwen27b():
+    return load_model("qwen27b").hf_config
+
+
+def test_qwen27b_fits_a_24gb_phone_with_upgrades(qwen27b):
+    phone = load_phone("android-24gb")
+    result = plan_auto(qwen27b, phone=phone, context=8192, model_name="qwen27b")
+    assert result["total_bytes"] <= phone["app_budget_gb"] * 1e9
+    assert "q8" in result["formats"].values() or "float" in result["formats"].values()
+    assert result["weighted_error"] < result["weighted_error_all_q4"]
+    # every step added bytes and stayed in budget; the last plan is the one reported
+    totals = [s["total_bytes"] for s in result["steps"]]
+    assert totals == sorted(totals) and totals[-1] == result["total_bytes"]
+
+
+@pytest.mark.parametrize("phone", ["android-16gb", "iphone-12gb"])
+def test_qwen27b_refused_where_nothing_fits(qwen27b, phone):
+    with pytest.raises(ConfigError, match=r"qwen27b does not fit .* q4 everywhere needs 15\.\d\d GB at 8192"):
+        plan_auto(qwen27b, phone=load_phone(phone), context=8192, model_name="qwen27b")
+
+
+def test_gqa_weighting_counts_kv_rows_per_query_head(qwen27b):
+    from pipeline.auto_quant import role_weights
+
+    w = role_weights(qwen27b)
+    t = qwen27b["text_config"]
+    q_rows, kv_rows = 2 * 24 * 256, 4 * 256
+    assert w["qkv_proj"] == pytest.approx(16 * t["hidden_size"] * (q_rows + 2 * kv_rows * 6))
+
+
+def test_unknown_phone_is_one_line():
+    with pytest.raises(ConfigError, match="unknown phone 'nokia'"):
+        load_phone("nokia")
+
+
+def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory):
+    """A tiny Qwen3 built with --quant auto for a phone whose budget allows only some upgrades: the bundle's
+    tensor cache holds exactly the weight bytes the plan counted, in the formats it chose."""
+    from test_model_numerics import tiny_hf_model
+
+    from pipeline.progress import Reporter
+    from pipeline.stages import run_pipeline
+
+    folder, _ = tiny_hf_model(tmp_path_factory.mktemp("auto"), "qwen3")
+    hf = json.loads((folder / "config.json").read_text())
+    host = {"context": 8192, "compute_dtype": "float32"}     # host-cpu computes (and keeps KV) in fp32
+    unlimited = plan_auto(hf, phone={"name": "big", "app_budget_gb": 1000, "bandwidth_gbs": 50}, **host)
+    # a budget between the first upgrade and everything upgraded: some roles q8/float, others stay q4
+    budget = (unlimited["steps"][0]["total_bytes"] + unlimited["steps"][-1]["total_bytes"]) / 2 / 1e9
+    phone = {"name": "tiny phone", "app_budget_gb": budget, "bandwidth_gbs": 50, "ram_gb": 1}
+    chosen = plan_auto(hf, phone=phone, **host)
+    assert chosen["steps"] and chosen["formats"] != unlimited["formats"]
+    assert len(set(chosen["formats"].values())) >= 2     # a real mix, not one format everywhere
+
+    bundle = run_pipeline(str(folder), "host-cpu", "auto", out=str(tmp_path_factory.mktemp("out")),
+                          report=Reporter(quiet=True), phone=phone).bundle
+    saved = json.loads((bundle / "reports" / "quant_auto.json").read_text())
+    assert (bundle / "reports" / "quant_auto.md").is_file()
+    index = json.loads((bundle / "tensor-cache.json").read_text())
+    emitted = sum(r["nbytes"] for shard in index["records"] for r in shard["records"])
+    assert emitted == saved["weights_bytes"]
+    assert saved["total_bytes"] <= budget * 1e9
+    dtypes = {r["name"]: r["dtype"] for shard in index["records"] for r in shard["records"]}
+    for role, fmt in saved["formats"].items():
+        weights = [d for n, d in dtypes.items() if n.endswith(f"{role}.q_weight") or n.endswith(f"{role}.weight")]
+        want = {"q4": "uint32", "q8": "int8"}.get(fmt)
+        assert weights and all(d == want if want else d.startswith("float") for d in weights), (role, weights)
