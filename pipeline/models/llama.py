@@ -166,6 +166,16 @@ class Backbone(nn.Module):
         return self.norm(x)
 
 
+def kv_cache_spec() -> dict[str, Any]:
+    """Export spec of create_tir_paged_kv_cache: runtime sizes only, no parameters. A fresh dict per
+    export: the nn exporter consumes the "$" entry of the specs it is given."""
+    return {
+        "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
+        "page_size": int, "support_sliding_window": int,
+        "$": {"param_mode": "none", "effect_mode": "none"},
+    }
+
+
 class DecoderLM(nn.Module):
     """Entry points follow MLC's runtime contract: embed, prefill, decode, create_tir_paged_kv_cache."""
 
@@ -241,11 +251,7 @@ class DecoderLM(nn.Module):
                                    "paged_kv_cache": kv, **packed},
             "decode": {"input_embed": nn.spec.Tensor([1, 1, h], self.dtype),
                        "paged_kv_cache": kv, **packed},
-            "create_tir_paged_kv_cache": {
-                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
-                "page_size": int, "support_sliding_window": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
+            "create_tir_paged_kv_cache": kv_cache_spec(),
         }
 
     def metadata(self, quantization: str, params: list[tuple[str, Any]]) -> dict[str, Any]:

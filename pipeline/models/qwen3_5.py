@@ -30,7 +30,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from ..errors import ConfigError
 from .gdn_kernels import gdn_decode, gdn_prefill
 from .layers import LayerFactory
-from .llama import MLP, _empty_ext_factors, _last_token, _shape_expr
+from .llama import MLP, DecoderLM, _empty_ext_factors, _last_token, _shape_expr, kv_cache_spec
 from .recurrent_state import RecurrentState
 
 ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5"}
@@ -348,10 +348,11 @@ def _gpu_info(target: Any) -> tuple[bool, int]:
     return True, int(min(int(threads), 128))
 
 
-class HybridLM(nn.Module):
+class HybridLM(DecoderLM):
     """Entry points: embed, prefill, decode, prefill_all_logits, create_tir_paged_kv_cache, create_rnn_state.
 
-    prefill/decode take and return both the paged KV cache and the RNN state (`kv_state_kind: hybrid`).
+    prefill/decode take and return both the paged KV cache and the RNN state (`kv_state_kind: hybrid`);
+    embed, the logits and the common metadata are the dense decoder's.
     """
 
     def __init__(self, cfg: HybridConfig, make: LayerFactory, target: Any):
@@ -360,13 +361,6 @@ class HybridLM(nn.Module):
         self.model = HybridBackbone(cfg, make, gpu, threads)
         if not cfg.tie_word_embeddings:
             self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False, role="lm_head")
-
-    def _logits(self, h: Tensor) -> Tensor:
-        logits = self.model.embed_tokens.lm_head(h) if self.cfg.tie_word_embeddings else self.lm_head(h)
-        return logits.astype("float32") if logits.dtype != "float32" else logits
-
-    def embed(self, input_ids: Tensor) -> Tensor:
-        return self.model.embed_tokens(input_ids)
 
     def prefill(self, input_embed: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
         h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
@@ -414,40 +408,19 @@ class HybridLM(nn.Module):
             "prefill": step("seq_len"),
             "prefill_all_logits": step("seq_len"),
             "decode": step(1),
-            "create_tir_paged_kv_cache": {
-                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
-                "page_size": int, "support_sliding_window": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
+            "create_tir_paged_kv_cache": kv_cache_spec(),
             "create_rnn_state": {"max_batch_size": int, "max_history": int,
                                  "$": {"param_mode": "none", "effect_mode": "none"}},
         }
 
     def metadata(self, quantization: str, params: list[tuple[str, Any]]) -> dict[str, Any]:
         c = self.cfg
-        return {
-            "model_type": c.family,
-            "quantization": quantization,
-            "context_window_size": c.context_window_size,
-            "sliding_window_size": -1,
-            "attention_sink_size": -1,
-            "prefill_chunk_size": c.prefill_chunk_size,
-            "tensor_parallel_shards": 1,
-            "pipeline_parallel_stages": 1,
-            "kv_state_kind": "hybrid",
-            "max_batch_size": c.max_batch_size,
-            "params": [{"name": n, "shape": [int(x) for x in p.shape], "dtype": p.dtype} for n, p in params],
-            "kv_cache": {
-                "num_hidden_layers": len(c.full_layers),
-                "num_attention_heads": c.num_attention_heads,
-                "num_key_value_heads": c.num_key_value_heads,
-                "head_dim": c.head_dim,
-                "layers": c.full_layers,
-            },
-            "rnn_state": {
-                "num_layers": len(c.linear_layers),
-                "layers": c.linear_layers,
-                "states": [{"shape": shape, "dtype": dt} for shape, dt in c.rnn_states(self.dtype)],
-            },
-            "model_config": c.to_json(),
+        meta = super().metadata(quantization, params)
+        meta["kv_state_kind"] = "hybrid"
+        meta["kv_cache"].update(num_hidden_layers=len(c.full_layers), layers=c.full_layers)
+        meta["rnn_state"] = {
+            "num_layers": len(c.linear_layers),
+            "layers": c.linear_layers,
+            "states": [{"shape": shape, "dtype": dt} for shape, dt in c.rnn_states(self.dtype)],
         }
+        return meta
