@@ -87,13 +87,15 @@ def _host_cpu() -> str | None:
     return str(name()) if name else None   # None: a generic CPU of this architecture still works
 
 
-WEIGHT_FORMATS = ("float", "q4", "q8")
+WEIGHT_FORMATS = ("float", "q4", "q8", "t2", "t3")
+TERNARY_FORMATS = ("t2", "t3")
+TERNARY_SOURCES = ("native", "ptq")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     name: str
-    weight_format: str            # float | q4 | q8
+    weight_format: str            # float | q4 | q8 | t2 | t3
     weight_dtype: str = "float16"
     layout: str = "target"        # NK | KN | target
     path: Path | None = None
@@ -101,12 +103,33 @@ class QuantSpec:
     # embed_tokens): format (float | q4 | q8)}; roles not listed get weight_format
     formats: dict[str, str] = field(default_factory=dict)
     auto_context: int | None = None   # QUANT=auto: choose `formats` to fit the phone at this context
+    # ternary (t2 / t3) weights: `native` imports a natively ternary checkpoint exactly and refuses any
+    # other tensor; `ptq` ternarises an ordinary model (MSE-optimal per group; loses quality)
+    ternary_source: str = "native"
+    # Walsh-Hadamard rotation of linear-layer inputs (all but lm_head), folded into the weights at
+    # conversion: the largest power-of-two block <= this dividing K; 0 = none
+    rotation: int = 0
 
     def __post_init__(self):
         bad = {r: f for r, f in {"*": self.weight_format, **self.formats}.items() if f not in WEIGHT_FORMATS}
         if bad:
             raise ConfigError(f"unknown weight format(s) {bad}", path=self.path,
                               fix=f"use one of {', '.join(WEIGHT_FORMATS)}")
+        if self.ternary_source not in TERNARY_SOURCES:
+            raise ConfigError(f"unknown ternary_source {self.ternary_source!r}", path=self.path,
+                              fix=f"use one of {', '.join(TERNARY_SOURCES)}")
+        r = self.rotation
+        if not isinstance(r, int) or r < 0 or (r and r & (r - 1)):
+            raise ConfigError(f"rotation {r!r} is not 0 or a power of two", path=self.path,
+                              fix="set rotation: 0 (none) or a block size such as 128 or 1024")
+        if r and self.ternary_source == "native" and self.ternary:
+            raise ConfigError("a rotation makes natively ternary weights non-ternary", path=self.path,
+                              fix="set ternary_source: ptq, or rotation: 0 to import ternary weights exactly")
+
+    @property
+    def ternary(self) -> bool:
+        """Whether any tensor is stored ternary."""
+        return any(f in TERNARY_FORMATS for f in (self.weight_format, *self.formats.values()))
 
     def layout_for(self, target: TargetSpec) -> str:
         return target.weight_layout if self.layout == "target" else self.layout
@@ -154,9 +177,13 @@ def _has_global_func(name: str) -> bool:
 
 
 def load_quant(name: str) -> QuantSpec:
-    if name not in QUANTIZATIONS:
-        raise _unknown("quantization", name, QUANTIZATIONS)
-    path = QUANTIZATIONS[name]
+    """A registry name (configs/quant/<name>.yaml) or a path to a scheme YAML of the same form."""
+    if name in QUANTIZATIONS:
+        path = QUANTIZATIONS[name]
+    elif name.endswith((".yaml", ".yml")) and Path(name).is_file():
+        path = Path(name)
+    else:
+        raise _unknown("quantization", name, QUANTIZATIONS, " (or a path to a scheme .yaml)")
     try:
         return QuantSpec(path=path, **_read_yaml(path))
     except TypeError as err:

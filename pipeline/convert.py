@@ -10,6 +10,12 @@ parameter's final shape (for q4 an eighth of the float32 size). Rows are indepen
 along the input axis) and fused parameters are concatenations along axis 0, so the result is
 bit-identical to converting the whole concatenated tensor at once. The largest thing alive is the
 output array plus one block and its temporaries.
+
+Ternary parameters (attrs `format` t2 / t3, see `models.layers.LayerFactory`) are ternarised per group of
+128 (`pipeline/ternary.py`); with `ternary_source: native` every group must already be ternary (within one
+ulp of the checkpoint's dtype) or the conversion stops with the tensor's name. Parameters marked `rotate`
+get their rows multiplied by the block Walsh-Hadamard matrix before quantization (row-wise, so still
+block by block).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from . import ternary as tern
 from .errors import WeightsError
 from .models.layers import CODES_PER_WORD, GROUP
 from .quantize import quantize_q4, quantize_q8
@@ -82,9 +89,9 @@ def _source_shape(ckpt: Any, param: str, names: list[str]) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
-def _row_blocks(ckpt: Any, names: list[str], block_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
+def _row_blocks(ckpt: Any, names: list[str], block_bytes: int, rotate: int = 1) -> Iterator[tuple[int, np.ndarray]]:
     """(first output row, float32 rows) of the sources concatenated along axis 0, in blocks of about
-    `block_bytes` (at least one row)."""
+    `block_bytes` (at least one row); `rotate` > 1: each row times the block Hadamard matrix."""
     offset = 0
     for name in names:
         shape = tuple(int(d) for d in ckpt.shape(name))
@@ -92,7 +99,8 @@ def _row_blocks(ckpt: Any, names: list[str], block_bytes: int) -> Iterator[tuple
         step = max(1, block_bytes // max(1, 4 * math.prod(shape[1:])))
         for start in range(0, rows, step):
             stop = min(rows, start + step)
-            yield offset + start, ckpt.get_rows(name, start, stop)
+            block = ckpt.get_rows(name, start, stop)
+            yield offset + start, (tern.hadamard_rows(block, rotate) if rotate > 1 else block)
         offset += rows
 
 
@@ -103,7 +111,7 @@ def _mismatch(ckpt: Any, name: str, want: tuple[int, ...], got: tuple[int, ...])
 
 def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dict[str, tuple[int, ...]],
                 block_bytes: int, on_bytes: Callable[[int], None] | None,
-                bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+                bits: int = 4, rotate: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Group-quantize the sources of `name` (a .q_weight or .q_scale) block by block -> (codes, scale):
     int4 packed 8 per uint32 (`bits=4`) or int8 codes (`bits=8`)."""
     src_shape = _source_shape(ckpt, name, names)
@@ -123,7 +131,7 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
         raise _mismatch(ckpt, name, shapes[name], mine)
     packed = np.empty(packed_shape, np.uint32 if bits == 4 else np.int8)
     scale = np.empty(scale_shape, np.float16)
-    for r0, block in _row_blocks(ckpt, names, block_bytes):
+    for r0, block in _row_blocks(ckpt, names, block_bytes, rotate):
         p, s = (quantize_q4 if bits == 4 else quantize_q8)(block, "NK")
         r1 = r0 + len(block)
         if nk:
@@ -135,14 +143,92 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
     return packed, scale
 
 
+# coarsest first: the tolerance of a fused parameter is that of its least precise source
+_TOLERANCE_ORDER = ("bfloat16", "float16", "float32", "float64")
+
+
+def _source_dtype(ckpt: Any, names: list[str]) -> str:
+    kinds = [str(ckpt.dtype(n)) for n in names]
+    return next((d for d in _TOLERANCE_ORDER if d in kinds), "float32")
+
+
+def _not_ternary(ckpt: Any, name: str, names: list[str], row: int, group: int, block: np.ndarray) -> WeightsError:
+    """Which source tensor and group failed, and what it holds."""
+    for src in names:
+        rows = int(ckpt.shape(src)[0])
+        if row < rows:
+            break
+        row -= rows
+    vals = np.abs(block[:, group * tern.GROUP:(group + 1) * tern.GROUP])
+    distinct = len(np.unique(vals[vals > 0]))
+    return WeightsError(
+        f"{src} (for {name}) is not ternary: group {group} of row {row} holds {distinct} distinct nonzero "
+        f"magnitudes, not one", path=ckpt.path,
+        fix="use --quant ternary_ptq to ternarise an ordinary model (loses quality), or a natively ternary "
+            "checkpoint")
+
+
+def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes: dict[str, tuple[int, ...]],
+                     block_bytes: int, on_bytes: Callable[[int], None] | None, attrs: dict[str, Any],
+                     stats: dict[str, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Ternarise (or, `ternary_source: native`, import exactly) the sources of `name` block by block ->
+    (packed codes, fp16 scales) in `layout`. `stats` accumulates the weight-space error and, for native
+    imports, how many groups' scale is not exactly an fp16 number."""
+    fmt, native = attrs["format"], attrs.get("ternary_source", "native") == "native"
+    src_shape = _source_shape(ckpt, name, names)
+    if len(src_shape) != 2:
+        raise WeightsError(f"cannot ternarise {name} of shape {list(src_shape)}: expected a 2-d weight",
+                           path=ckpt.path, fix="use a float scheme (q0f16) for this model")
+    n, k = src_shape
+    nk = layout == "NK"
+    cols, groups = tern.packed_len(fmt, k), tern.n_groups(k)
+    packed_shape, scale_shape = ((n, cols), (n, groups)) if nk else ((cols, n), (groups, n))
+    mine = packed_shape if name.endswith(".q_weight") else scale_shape
+    if name in shapes and shapes[name] != mine:
+        raise _mismatch(ckpt, name, shapes[name], mine)
+    packed = np.empty(packed_shape, tern.code_dtype(fmt))
+    scale = np.empty(scale_shape, np.float16)
+    dtype = _source_dtype(ckpt, names)
+    for r0, block in _row_blocks(ckpt, names, block_bytes, int(attrs.get("rotate", 1))):
+        if native:
+            ok = tern.ternary_groups(block, dtype)
+            if not ok.all():
+                r, g = (int(i[0]) for i in np.nonzero(~ok))
+                raise _not_ternary(ckpt, name, names, r0 + r, g, block[r:r + 1])
+        trits, s64 = tern.ternarize_exact(block)
+        s = s64.astype(np.float16)
+        if stats is not None:
+            _ternary_stats(stats, block, trits, s, s64, native)
+        p = tern.pack(trits, fmt, k)
+        r1 = r0 + len(block)
+        if nk:
+            packed[r0:r1], scale[r0:r1] = p, s
+        else:
+            packed[:, r0:r1], scale[:, r0:r1] = p.T, s.T
+        if on_bytes:
+            on_bytes(p.nbytes if name.endswith(".q_weight") else s.nbytes)
+    return packed, scale
+
+
+def _ternary_stats(stats: dict[str, float], w: np.ndarray, trits: np.ndarray, s16: np.ndarray,
+                   s64: np.ndarray, native: bool) -> None:
+    k = w.shape[1]
+    deq = trits[:, :k].astype(np.float32) * np.repeat(s16.astype(np.float32), tern.GROUP, axis=1)[:, :k]
+    stats["err2"] = stats.get("err2", 0.0) + float(((deq - w).astype(np.float64) ** 2).sum())
+    stats["norm2"] = stats.get("norm2", 0.0) + float((w.astype(np.float64) ** 2).sum())
+    stats["groups"] = stats.get("groups", 0) + int(s16.size)
+    if native:
+        stats["scale_rounded"] = stats.get("scale_rounded", 0) + int((s16.astype(np.float64) != s64).sum())
+
+
 def _convert_float(ckpt: Any, name: str, names: list[str], dtype: Any, want: tuple[int, ...],
-                   block_bytes: int, on_bytes: Callable[[int], None] | None) -> np.ndarray:
+                   block_bytes: int, on_bytes: Callable[[int], None] | None, rotate: int = 1) -> np.ndarray:
     """Cast the sources of `name` to `dtype` block by block into one preallocated array."""
     src_shape = _source_shape(ckpt, name, names)
     if src_shape != want:
         raise _mismatch(ckpt, name, want, src_shape)
     out = np.empty(src_shape, np.dtype(dtype))
-    for r0, block in _row_blocks(ckpt, names, block_bytes):
+    for r0, block in _row_blocks(ckpt, names, block_bytes, rotate):
         out[r0:r0 + len(block)] = block.astype(out.dtype, copy=False)
         if on_bytes:
             on_bytes(len(block) * out[0:1].nbytes)
@@ -152,12 +238,14 @@ def _convert_float(ckpt: Any, name: str, names: list[str], dtype: Any, want: tup
 def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tied: bool = False,
                    on_tensor: Callable[[str, int], None] | None = None, start: int = 0,
                    block_bytes: int | None = None,
-                   on_bytes: Callable[[int], None] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+                   on_bytes: Callable[[int], None] | None = None,
+                   stats: dict[str, float] | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) in the model's parameter order, ready for the tensor cache.
 
     `start` skips the first `start` parameters without reading their sources (to resume a conversion);
     `block_bytes` bounds the float32 rows converted at a time; `on_bytes(n)` is called as output bytes
-    are produced (block by block), adding up to the bytes of the tensors yielded.
+    are produced (block by block), adding up to the bytes of the tensors yielded; `stats` collects ternary
+    conversion statistics (see `_convert_ternary`).
     """
     block_bytes = int(block_bytes or DEFAULT_BLOCK_BYTES)
     shapes = {name: tuple(int(x) for x in p.shape) for name, p in params}
@@ -175,15 +263,22 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
         elif name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
             tensor_layout = "NK" if base.endswith("embed_tokens") else layout
-            bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
-            packed, scale = _convert_q4(ckpt, name, _source_names(ckpt, name, tied), tensor_layout, shapes,
-                                        block_bytes, on_bytes, bits=bits)
+            attrs = dict(getattr(p, "attrs", None) or {})
+            sources = _source_names(ckpt, name, tied)
+            if attrs.get("format") in tern.PACKINGS:
+                packed, scale = _convert_ternary(ckpt, name, sources, tensor_layout, shapes, block_bytes, on_bytes,
+                                                 attrs, stats)
+            else:
+                bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
+                packed, scale = _convert_q4(ckpt, name, sources, tensor_layout, shapes, block_bytes, on_bytes,
+                                            bits=bits, rotate=int(attrs.get("rotate", 1)))
             is_weight = name.endswith(".q_weight")
             arr = packed if is_weight else scale
             pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed
         else:
+            rotate = int((getattr(p, "attrs", None) or {}).get("rotate", 1))
             arr = _convert_float(ckpt, name, _source_names(ckpt, name, tied), p.dtype, shape, block_bytes,
-                                 on_bytes)
+                                 on_bytes, rotate=rotate)
         if tuple(arr.shape) != shape:
             raise _mismatch(ckpt, name, shape, tuple(arr.shape))
         if on_tensor:

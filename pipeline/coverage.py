@@ -29,13 +29,19 @@ DECODE_FUNCS = ("decode", "embed")
 PREFILL_FUNCS = ("prefill", "embed")
 EFFECTIVE_BANDWIDTH = 0.6
 
-OP_CLASSES = ("dequant-gemv", "dequant-matmul", "gemv", "matmul", "rmsnorm", "attention", "rope", "kv-cache",
-              "gdn-recurrence", "gdn-conv", "rnn-state", "gather", "elementwise", "injective", "reduction", "other")
+OP_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "dequant-matmul-ternary", "gemv", "matmul",
+              "rotation", "rmsnorm", "attention", "rope", "kv-cache", "gdn-recurrence", "gdn-conv", "rnn-state",
+              "gather", "elementwise", "injective", "reduction", "other")
+
+MATMUL_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "dequant-matmul-ternary", "gemv",
+                  "matmul")
 
 # Gated-DeltaNet (hybrid models): the delta-rule scan, its conv/gates, and the RNN-state copies.
 _GDN_CLASSES = (("gdn_prefill", "gdn-recurrence"), ("gdn_decode", "gdn-recurrence"), ("gdn_conv1d", "gdn-conv"),
                 ("conv_state", "gdn-conv"), ("gdn_gates", "gdn-conv"), ("rnn_state", "rnn-state"))
 
+# fused dequantize functions of the ternary packings (layers.dequantize_ternary_te): t2 codes are uint32 like q4
+_TERNARY_NAMES = ("dequantize_t2", "dequantize_t3")
 _ATTENTION_NAMES = ("batch_prefill_paged_kv", "batch_decode_paged_kv", "batch_prefill_ragged_kv", "tree_attn",
                     "attention", "merge_state")
 _KV_NAMES = ("kv_cache", "copy_single_page", "compact_kv", "transpose_append", "get_kv", "rollback")
@@ -130,6 +136,8 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
         return "attention"
     if "rope" in low or "rotary" in low:
         return "rope"
+    if "hadamard" in low:      # Walsh-Hadamard rotation of a layer input (rotated quantization schemes)
+        return "rotation"
     if "rms_norm" in low or "rmsnorm" in low:
         return "rmsnorm"
     if low.startswith("take") or "embedding" in low or "gather" in low:
@@ -144,6 +152,8 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
             rows = _elems(outs[0], {}) if outs else None
             last = _eval(outs[0].shape[-1], {}) if outs and outs[0].shape else None
             kind = "gemv" if rows is not None and last and rows // last == 1 else "matmul"
+            if any(t in low for t in _TERNARY_NAMES) or any(str(b.dtype) == "uint8" for b in ins):
+                return f"dequant-{kind}-ternary"
             return f"dequant-{kind}" if any(str(b.dtype) in ("uint32", "int8") for b in ins) else kind
         return "reduction"
     pattern = func.attrs.get("op_pattern") if func.attrs else None
@@ -240,7 +250,7 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
     if None in in_bytes:
         return None, None
     nbytes = sum(in_bytes) + sum(out_bytes)
-    if cls in ("dequant-gemv", "dequant-matmul", "gemv", "matmul"):
+    if cls in MATMUL_CLASSES:
         k = _eval(_matmul_k(ins, outs), env)
         return nbytes, 2 * n_out * (k or 0)
     if cls in ("rmsnorm", "reduction"):

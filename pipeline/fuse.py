@@ -1,6 +1,6 @@
 """Operator fusion: dequantize into matmul, transpose into matmul, then TVM's FuseOps/FuseTIR.
 
-Stock FuseOps never fuses a producer (the int4 dequantize) into a matmul, so without our pattern the
+Stock FuseOps never fuses a producer (the int4 / int8 / ternary dequantize) into a matmul, so without our pattern the
 fp16 weights would be materialised in memory on every call — the opposite of what a bandwidth-bound
 phone needs. The pattern runs after legalization, when both sides are `call_tir`s.
 """
@@ -10,6 +10,9 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, is_tuple, wildcard
+
+# dequantize functions of every packed weight format (layers.py): q4 / q8 groups, t2 / t3 ternary
+DEQUANTIZE_PREFIXES = ("dequantize_q4", "dequantize_q8", "dequantize_t2", "dequantize_t3")
 
 
 def _callee_name(call: relax.Call) -> str:
@@ -26,7 +29,7 @@ def _dequant_matmul_pattern():
 def _is_dequant_matmul(ctx: relax.transform.PatternCheckContext) -> bool:
     dq = ctx.annotated_expr["dequant"]
     mm = ctx.annotated_expr["matmul"]
-    return _callee_name(dq).startswith(("dequantize_q4", "dequantize_q8")) and "matmul" in _callee_name(mm)
+    return _callee_name(dq).startswith(DEQUANTIZE_PREFIXES) and "matmul" in _callee_name(mm)
 
 
 def fuse_dequantize_matmul() -> tvm.transform.Pass:

@@ -24,7 +24,12 @@ Weights
     reduction) dimension is a multiple of 32 as 4-bit codes plus one fp16 scale per 32 weights
     (4.5 bits/weight; the embedding table is a [vocab, hidden] matrix and is quantized too, as in
     MLC's q4f16_1); everything else (norms, biases, the depthwise conv1d) stays fp16, except GDN
-    ``A_log`` / ``dt_bias``, which stay fp32.
+    ``A_log`` / ``dt_bias``, which stay fp32. ``q8f16``: int8 codes + an fp16 scale per 32.
+    Ternary ``t2f16`` / ``t3f16`` store every 2-D matrix (any K) as ternary codes with one fp16 scale
+    per 128 along K: t2 packs 16 two-bit codes per uint32 (``ceil(K/16) x 4 B`` per row), t3 five
+    base-3 codes per byte, 26 bytes per whole group of 128 and ``ceil(r/5)`` for a last group of r
+    (``pipeline/ternary.py``); plus ``ceil(K/128) x 2 B`` of scales per row — 2.125 / 1.75 bits per
+    weight when 128 divides K.
 Weights read per decoded token
     All weight bytes except the embedding table, of which only one row is gathered; when the
     embeddings are tied, the lm_head reads the whole embedding matrix, so it is counted once.
@@ -64,10 +69,13 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from . import ternary
+
 __all__ = ["memory_plan", "plan_markdown", "QUANT_MODES", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-QUANT_MODES = ("q0f32", "q0f16", "q4f16", "q8f16")
+QUANT_MODES = ("q0f32", "q0f16", "q4f16", "q8f16", "t2f16", "t3f16")
+TERNARY_MODES = {"t2f16": "t2", "t3f16": "t3"}
 # A scheme's per-tensor rules name layer roles; these are the plan's tensor groups each role covers.
 ROLE_GROUPS = {
     "embed_tokens": ("embedding",), "lm_head": ("lm_head",), "qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -107,6 +115,9 @@ def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
         return n * 4, "float32"
     if quant == "q0f16":
         return n * 2, "float16"
+    if quant in TERNARY_MODES and len(shape) == 2:
+        fmt = TERNARY_MODES[quant]
+        return shape[0] * ternary.row_bytes(fmt, shape[1]), f"ternary {fmt} g128 + fp16 scale"
     if len(shape) == 2 and shape[-1] % Q4_GROUP == 0:
         if quant == "q8f16":   # int8 codes + one fp16 scale per group of 32
             return n + (n // Q4_GROUP) * 2, "q8 g32 + fp16 scale"
@@ -181,7 +192,8 @@ def _dims(cfg: dict) -> _Dims:
 def modes_for_scheme(weight_format: str, weight_dtype: str, formats: dict[str, str]) -> tuple[str, dict[str, str]]:
     """(default mode, {plan group: mode}) of a quantization scheme with per-role formats."""
     def mode(fmt: str) -> str:
-        return {"q4": "q4f16", "q8": "q8f16"}.get(fmt, "q0f32" if weight_dtype == "float32" else "q0f16")
+        return {"q4": "q4f16", "q8": "q8f16", "t2": "t2f16", "t3": "t3f16"}.get(
+            fmt, "q0f32" if weight_dtype == "float32" else "q0f16")
 
     groups = {g: mode(fmt) for role, fmt in formats.items() for g in ROLE_GROUPS.get(role, ())}
     return mode(weight_format), groups

@@ -9,11 +9,14 @@ which is what Adreno GEMV wants.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
+
+from .. import ternary as tern
 
 GROUP = 32          # weights per scale, along the reduction (K) axis
 CODES_PER_WORD = 8  # int4 codes per uint32
@@ -47,8 +50,40 @@ def dequantize_q8_te(codes: te.Tensor, scale: te.Tensor, layout: str, k: int, n:
     return te.compute((k, n), value, name=f"dequantize_q8_{layout.lower()}")
 
 
-def dequantized_t(q_weight: Tensor, q_scale: Tensor, layout: str, k: int, n: int, dtype: str) -> Tensor:
+def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout: str, k: int, n: int,
+                          dtype: str):
+    """TE for W^T[k, n] from ternary codes (code = trit + 1) + one scale per 128 weights along K.
+
+    t2: 16 two-bit codes per uint32 (NK [N, ceil(K/16)], KN transposed); t3: base-3, 5 codes per byte,
+    26 bytes per group of 128 (see pipeline/ternary.py). Pure index arithmetic on the packed buffer, so the
+    fused kernel reads packed codes only."""
+    def at(buf, kk, nn_):
+        return buf[nn_, kk] if layout == "NK" else buf[kk, nn_]
+
+    def code(kk, nn_):
+        if fmt == "t2":
+            word = at(packed, kk // tern.T2_PER_WORD, nn_)
+            shift = (kk % tern.T2_PER_WORD * 2).astype("uint32")
+            return (word >> shift) & tirx.const(3, "uint32")
+        r = kk % tern.GROUP
+        byte = at(packed, kk // tern.GROUP * tern.T3_GROUP_BYTES + r // tern.T3_PER_BYTE, nn_).astype("int32")
+        j = r % tern.T3_PER_BYTE
+        pow3 = tirx.Select(j == 0, 1, tirx.Select(j == 1, 3, tirx.Select(j == 2, 9, tirx.Select(j == 3, 27, 81))))
+        return tirx.floormod(tirx.floordiv(byte, pow3), 3)
+
+    def value(kk, nn_):
+        s = at(scale, kk // tern.GROUP, nn_).astype(dtype)
+        return (code(kk, nn_).astype(dtype) - tirx.const(1, dtype)) * s
+
+    return te.compute((k, n), value, name=f"dequantize_{fmt}_{layout.lower()}")
+
+
+def dequantized_t(q_weight: Tensor, q_scale: Tensor, layout: str, k: int, n: int, dtype: str,
+                  fmt: str | None = None) -> Tensor:
     """W^T [k, n] from packed codes, as its own call so the fuse stage can fold it into the matmul."""
+    if fmt in tern.PACKINGS:
+        return op.tensor_expr_op(lambda w, s: dequantize_ternary_te(w, s, fmt, layout, k, n, dtype),
+                                 f"dequantize_{fmt}_{layout.lower()}", [q_weight, q_scale])
     if q_weight.dtype == "int8":
         return op.tensor_expr_op(lambda w, s: dequantize_q8_te(w, s, layout, k, n, dtype),
                                  f"dequantize_q8_{layout.lower()}", [q_weight, q_scale])
@@ -60,16 +95,39 @@ def _as(x: Tensor, dtype: str) -> Tensor:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def hadamard_te(x: te.Tensor, block: int):
+    """x times the block-diagonal normalized Sylvester-Hadamard matrix along its last axis: entry (i, j) of a
+    block is (-1)^popcount(i & j) / sqrt(block). The same transform is folded into the weights (W H) at
+    conversion, so H x feeds W H and the product is unchanged (H H = I)."""
+    j = te.reduce_axis((0, block), name="j")
+    coeff = 1.0 / math.sqrt(block)
+
+    def rotate(*idx):
+        i = idx[-1]
+        odd = tirx.popcount(tirx.bitwise_and(i % block, j)) % 2
+        sign = tirx.Select(odd == 0, tirx.const(coeff, x.dtype), tirx.const(-coeff, x.dtype))
+        return te.sum(x[(*idx[:-1], i - i % block + j)] * sign, axis=j)
+
+    return te.compute(x.shape, rotate, name="hadamard_rotate")
+
+
+def rotated(x: Tensor, block: int) -> Tensor:
+    """The layer input in the rotated basis (`block` <= 1: unchanged)."""
+    if block <= 1:
+        return x
+    return op.tensor_expr_op(lambda t: hadamard_te(t, block), "hadamard_rotate", [x])
+
+
 class FloatLinear(nn.Module):
     """y = x W^T (+ b), weight stored [out, in] like HF."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
-        self.in_features, self.out_features = in_features, out_features
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, rotate: int = 1):
+        self.in_features, self.out_features, self.rotate = in_features, out_features, rotate
         self.weight = nn.Parameter((out_features, in_features), dtype)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = op.matmul(x, op.permute_dims(_as(self.weight, x.dtype)))
+        y = op.matmul(rotated(x, self.rotate), op.permute_dims(_as(self.weight, x.dtype)))
         return y if self.bias is None else y + _as(self.bias, x.dtype)
 
 
@@ -77,8 +135,9 @@ class Q4Linear(nn.Module):
     """Group-32 symmetric int4 weights with fp16 scales (`bits=8`: int8 codes); `layout` is NK or KN."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str,
-                 scale_dtype: str = "float16", bits: int = 4):
+                 scale_dtype: str = "float16", bits: int = 4, rotate: int = 1):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
+        self.rotate = rotate
         k, n = in_features, out_features
         per_word, code_dtype = (CODES_PER_WORD, "uint32") if bits == 4 else (1, "int8")
         if layout == "NK":
@@ -92,7 +151,27 @@ class Q4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         w_t = dequantized_t(self.q_weight, self.q_scale, self.layout, self.in_features, self.out_features,
                             self.dtype)
-        y = op.matmul(x, w_t)
+        y = op.matmul(rotated(x, self.rotate), w_t)
+        return y + self.bias if self.bias is not None else y
+
+
+class TernaryLinear(nn.Module):
+    """Ternary weights {-s, 0, +s}, one scale per 128 along K, packed `fmt` t2 (2 bits) or t3 (base 3)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str, fmt: str,
+                 scale_dtype: str = "float16", rotate: int = 1):
+        self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
+        self.fmt, self.rotate = fmt, rotate
+        k, n = in_features, out_features
+        codes, groups = tern.packed_len(fmt, k), tern.n_groups(k)
+        self.q_weight = nn.Parameter((n, codes) if layout == "NK" else (codes, n), tern.code_dtype(fmt))
+        self.q_scale = nn.Parameter((n, groups) if layout == "NK" else (groups, n), scale_dtype)
+        self.bias = nn.Parameter((out_features,), dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w_t = dequantized_t(self.q_weight, self.q_scale, self.layout, self.in_features, self.out_features,
+                            self.dtype, fmt=self.fmt)
+        y = op.matmul(rotated(x, self.rotate), w_t)
         return y + self.bias if self.bias is not None else y
 
 
@@ -112,8 +191,13 @@ class FloatEmbedding(nn.Module):
 class Q4Embedding(nn.Module):
     """Row-major (NK) int4 table (`bits=8`: int8): a gather reads whole rows, the tied lm_head is a GEMV."""
 
-    def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16", bits: int = 4):
-        self.num, self.dim, self.dtype = num, dim, dtype
+    def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16", bits: int = 4,
+                 fmt: str | None = None):
+        self.num, self.dim, self.dtype, self.fmt = num, dim, dtype, fmt
+        if fmt in tern.PACKINGS:
+            self.q_weight = nn.Parameter((num, tern.packed_len(fmt, dim)), tern.code_dtype(fmt))
+            self.q_scale = nn.Parameter((num, tern.n_groups(dim)), scale_dtype)
+            return
         per_word, code_dtype = (CODES_PER_WORD, "uint32") if bits == 4 else (1, "int8")
         self.q_weight = nn.Parameter((num, dim // per_word), code_dtype)
         self.q_scale = nn.Parameter((num, dim // GROUP), scale_dtype)
@@ -121,17 +205,21 @@ class Q4Embedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         rows = op.take(self.q_weight, ids, axis=0)
         scales = op.take(self.q_scale, ids, axis=0)
-        dim, dtype = self.dim, self.dtype
+        dim, dtype, fmt = self.dim, self.dtype, self.fmt
 
         def gather_dequant(w: te.Tensor, s: te.Tensor):
-            deq = dequantize_q8_te if w.dtype == "int8" else dequantize_te
-            t = deq(w, s, "NK", dim, w.shape[0], dtype)  # [dim, seq]
+            if fmt in tern.PACKINGS:
+                t = dequantize_ternary_te(w, s, fmt, "NK", dim, w.shape[0], dtype)
+            else:
+                deq = dequantize_q8_te if w.dtype == "int8" else dequantize_te
+                t = deq(w, s, "NK", dim, w.shape[0], dtype)  # [dim, seq]
             return te.compute((w.shape[0], dim), lambda i, j: t[j, i], name="embed_dequant")
 
         return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [rows, scales])
 
     def lm_head(self, h: Tensor) -> Tensor:
-        return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, "NK", self.dim, self.num, self.dtype))
+        return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, "NK", self.dim, self.num, self.dtype,
+                                          fmt=self.fmt))
 
 
 FORMAT_BITS = {"q4": 4, "q8": 8}
@@ -142,28 +230,58 @@ class LayerFactory:
     """Builds each layer in the storage the quantization scheme asks for.
 
     `formats` maps a layer's role (qkv_proj, o_proj, gate_up_proj, down_proj, in_proj, out_proj, lm_head,
-    embed_tokens) to a format (float | q4 | q8) — a scheme's per-tensor rules; the rest get `weight_format`.
+    embed_tokens) to a format (float | q4 | q8 | t2 | t3) — a scheme's per-tensor rules; the rest get
+    `weight_format`. `rotation` > 1 rotates the input of every linear layer but the lm_head by a
+    Walsh-Hadamard block (the largest power of two <= rotation dividing its K) and marks its weight for
+    the same rotation at conversion. Conversion options ride on the parameters' `attrs` (format,
+    ternary_source, rotate), so the converter needs nothing else.
     """
 
     dtype: str                 # activation / compute dtype
-    weight_format: str         # "float", "q4" or "q8"
+    weight_format: str         # "float", "q4", "q8", "t2" or "t3"
     weight_dtype: str = "float32"
     layout: str = "NK"
     scale_dtype: str = "float16"   # float32 only to execute kernels on fp16-less OpenCL (PoCL) in tests
     formats: dict[str, str] | None = None
+    rotation: int = 0
+    ternary_source: str = "native"   # native: import ternary weights exactly (refuse others) | ptq
 
     def format_for(self, role: str) -> str:
         return (self.formats or {}).get(role, self.weight_format)
 
     def linear(self, in_features: int, out_features: int, bias: bool, role: str = "") -> nn.Module:
         fmt = self.format_for(role)
+        rotate = tern.rotation_block(in_features, self.rotation) if self.rotation and role != "lm_head" else 1
+        if fmt in tern.PACKINGS:
+            layer = TernaryLinear(in_features, out_features, bias, self.dtype, self.layout, fmt, self.scale_dtype,
+                                  rotate=rotate)
+            self._mark(layer, fmt, rotate)
+            return layer
         if fmt in FORMAT_BITS and in_features % GROUP == 0:
-            return Q4Linear(in_features, out_features, bias, self.dtype, self.layout, self.scale_dtype,
-                            bits=FORMAT_BITS[fmt])
-        return FloatLinear(in_features, out_features, bias, self.weight_dtype)
+            layer = Q4Linear(in_features, out_features, bias, self.dtype, self.layout, self.scale_dtype,
+                             bits=FORMAT_BITS[fmt], rotate=rotate)
+        else:
+            layer = FloatLinear(in_features, out_features, bias, self.weight_dtype, rotate=rotate)
+        self._mark(layer, None, rotate)
+        return layer
 
     def embedding(self, num: int, dim: int) -> nn.Module:
         fmt = self.format_for("embed_tokens")
+        if fmt in tern.PACKINGS:
+            layer = Q4Embedding(num, dim, self.dtype, self.scale_dtype, fmt=fmt)
+            self._mark(layer, fmt, 1)
+            return layer
         if fmt in FORMAT_BITS and dim % GROUP == 0:
             return Q4Embedding(num, dim, self.dtype, self.scale_dtype, bits=FORMAT_BITS[fmt])
         return FloatEmbedding(num, dim, self.weight_dtype, self.dtype)
+
+    def _mark(self, layer: nn.Module, fmt: str | None, rotate: int) -> None:
+        """Tell the converter how to produce this layer's weights (nothing for plain q4 / q8 / float)."""
+        for name in ("q_weight", "q_scale", "weight"):
+            p = getattr(layer, name, None)
+            if p is None:
+                continue
+            if fmt:
+                p.attrs.update(format=fmt, ternary_source=self.ternary_source)
+            if rotate > 1:
+                p.attrs["rotate"] = rotate

@@ -1,0 +1,190 @@
+"""Ternary (1.58-bit) weights in numpy: ternarisation, detection of natively ternary tensors, packing.
+
+Values are {-s, 0, +s} with one fp16 scale s per group of 128 weights along the reduction axis K (the
+grouping PrismML's Bonsai models ship). A weight's trit t in {-1, 0, +1} is stored as the code t + 1.
+
+Packings (NK = [N, ...] rows of codes, KN their transpose, like q4):
+- `t2`: 16 two-bit codes per little-endian uint32, code of k at bits 2 * (k % 16): [N, ceil(K/16)] uint32.
+  2 + 16/128 = 2.125 bits/weight with the scales.
+- `t3`: base 3, five codes per byte (byte = sum_j code_j * 3^j, at most 242), per group of 128: 26 bytes
+  (128 codes padded with 2 zero-weight codes to 130 = 26 x 5); a last partial group of r weights takes
+  ceil(r / 5) bytes. [N, 26 * (K // 128) + ceil((K % 128) / 5)] uint8. (26 x 8 + 16) / 128 = 1.75
+  bits/weight with the scales: the 2 padding trits per group are counted.
+K need not be a multiple of 128: the last group is shorter (its padding is zero weights, never read).
+
+Ternarisation (`ternarize`) is MSE-optimal per group: keeping the m largest |w| with the scale s = their
+mean |w| leaves an error sum(w^2) - m s^2 = sum(w^2) - (sum of the top m |w|)^2 / m, so m is the argmax of
+that last ratio over m = 1..128 (exact, from one sort). On a natively ternary group the optimum keeps
+exactly its nonzeros and s is their common magnitude: import and post-training ternarisation are the same
+function, and `ternary_groups` decides whether a tensor was ternary to begin with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GROUP = 128
+T2_PER_WORD = 16
+T3_PER_BYTE = 5
+T3_GROUP_BYTES = -(-GROUP // T3_PER_BYTE)          # 26
+PACKINGS = ("t2", "t3")
+_POW3 = np.array([1, 3, 9, 27, 81], np.uint16)
+
+# Relative spacing of a float format's values (one unit in the last place at 1.0): magnitudes of one
+# group that differ by no more than this are the same scale, written in that format.
+ULP = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23, "float64": 2.0**-52}
+
+
+def n_groups(k: int) -> int:
+    return -(-k // GROUP)
+
+
+def packed_len(fmt: str, k: int) -> int:
+    """Packed codes per row (uint32 words for t2, bytes for t3) for a reduction length k."""
+    if fmt == "t2":
+        return -(-k // T2_PER_WORD)
+    if fmt == "t3":
+        full, rest = divmod(k, GROUP)
+        return full * T3_GROUP_BYTES + -(-rest // T3_PER_BYTE)
+    raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
+
+
+def code_dtype(fmt: str) -> str:
+    return {"t2": "uint32", "t3": "uint8"}[fmt]
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one output row: packed codes + fp16 scales (what the tensor cache stores)."""
+    return packed_len(fmt, k) * np.dtype(code_dtype(fmt)).itemsize + 2 * n_groups(k)
+
+
+def _groups(w: np.ndarray) -> np.ndarray:
+    """[N, K] -> float32 [N, G, 128], the last group zero-padded."""
+    n, k = w.shape
+    g = n_groups(k)
+    w = w.astype(np.float32, copy=False)
+    if k != g * GROUP:
+        w = np.concatenate([w, np.zeros((n, g * GROUP - k), np.float32)], axis=1)
+    return w.reshape(n, g, GROUP)
+
+
+def ternarize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> (trits int8 [N, G*128] in {-1, 0, 1}, zero-padded; fp16 scales [N, G])."""
+    trits, scale = ternarize_exact(w)
+    return trits, scale.astype(np.float16)
+
+
+def ternarize_exact(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`ternarize` with the scales in float64, before rounding to fp16.
+
+    Per group the MSE-optimal support (see the module docstring); s = mean |w| over it. Ties at the
+    threshold are all kept. An all-zero group gets s = 0 and trits 0."""
+    groups = _groups(w)
+    mag = np.abs(groups)
+    top = -np.sort(-mag, axis=-1).astype(np.float64)             # descending
+    csum = np.cumsum(top, axis=-1)
+    m = np.arange(1, GROUP + 1, dtype=np.float64)
+    best = np.argmax(csum * csum / m, axis=-1)                      # first maximum
+    thr = np.take_along_axis(top, best[..., None], axis=-1).astype(np.float32)
+    keep = (mag >= thr) & (mag > 0)
+    kept = keep.sum(axis=-1)
+    scale = np.where(kept > 0, (mag * keep).sum(axis=-1, dtype=np.float64) / np.maximum(kept, 1), 0.0)
+    trits = (np.sign(groups) * keep).astype(np.int8)
+    return trits.reshape(w.shape[0], -1), scale
+
+
+def ternary_groups(w: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """bool [N, G]: whether each group of 128 holds only {-s, 0, +s} (nonzero magnitudes within one unit
+    in the last place of the checkpoint's `dtype` of each other)."""
+    mag = np.abs(_groups(w))
+    hi = mag.max(axis=-1, keepdims=True)
+    lo = np.where(mag > 0, mag, np.inf).min(axis=-1, keepdims=True)
+    lo = np.where(np.isinf(lo), hi, lo)
+    return ((hi - lo) <= ULP.get(dtype, ULP["float32"]) * hi)[..., 0]
+
+
+def pack(trits: np.ndarray, fmt: str, k: int) -> np.ndarray:
+    """trits [N, >= k] (padded to whole groups) -> NK packed codes of `fmt` for a reduction length k."""
+    n = trits.shape[0]
+    codes = (trits.astype(np.int16) + 1).astype(np.uint8)
+    if fmt == "t2":
+        width = packed_len("t2", k) * T2_PER_WORD
+        c = _pad_cols(codes, width)[:, :width].reshape(n, -1, T2_PER_WORD).astype(np.uint32)
+        return np.bitwise_or.reduce(c << (np.arange(T2_PER_WORD, dtype=np.uint32) * 2), axis=-1)
+    if fmt == "t3":
+        g = n_groups(k)
+        c = _pad_cols(codes, g * GROUP).reshape(n, g, GROUP)
+        c = np.concatenate([c, np.ones((n, g, T3_GROUP_BYTES * T3_PER_BYTE - GROUP), np.uint8)], axis=-1)
+        c = c.reshape(n, g * T3_GROUP_BYTES, T3_PER_BYTE).astype(np.uint16)
+        packed = (c * _POW3).sum(axis=-1).astype(np.uint8)
+        return np.ascontiguousarray(packed[:, :packed_len("t3", k)])
+    raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
+
+
+def _pad_cols(codes: np.ndarray, width: int) -> np.ndarray:
+    """Pad with code 1 (a zero weight) up to `width` columns."""
+    if codes.shape[1] >= width:
+        return codes
+    return np.concatenate([codes, np.ones((codes.shape[0], width - codes.shape[1]), np.uint8)], axis=1)
+
+
+def unpack(packed: np.ndarray, fmt: str, k: int) -> np.ndarray:
+    """NK packed codes -> trits int8 [N, k]."""
+    n = packed.shape[0]
+    if fmt == "t2":
+        shifts = np.arange(T2_PER_WORD, dtype=np.uint32) * 2
+        codes = ((packed.astype(np.uint32)[..., None] >> shifts) & 3).reshape(n, -1)
+    elif fmt == "t3":
+        g = n_groups(k)
+        full = np.ones((n, g * T3_GROUP_BYTES), np.uint8) * 121       # 121 = five zero-weight codes
+        full[:, :packed.shape[1]] = packed
+        codes = (full.astype(np.uint16)[..., None] // _POW3) % 3
+        codes = codes.reshape(n, g, T3_GROUP_BYTES * T3_PER_BYTE)[:, :, :GROUP].reshape(n, -1)
+    else:
+        raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
+    return (codes[:, :k].astype(np.int16) - 1).astype(np.int8)
+
+
+def quantize_ternary(w: np.ndarray, fmt: str = "t2", layout: str = "NK") -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> (packed codes, fp16 scales) in `layout` (KN stores both transposed)."""
+    trits, scale = ternarize(w)
+    packed = pack(trits, fmt, w.shape[1])
+    if layout == "KN":
+        return np.ascontiguousarray(packed.T), np.ascontiguousarray(scale.T)
+    return packed, scale
+
+
+def dequantize_ternary(packed: np.ndarray, scale: np.ndarray, fmt: str, k: int,
+                       layout: str = "NK") -> np.ndarray:
+    """Inverse of `quantize_ternary`: -> [N, k] float32 (the reference for numerics tests)."""
+    if layout == "KN":
+        packed, scale = packed.T, scale.T
+    trits = unpack(packed, fmt, k).astype(np.float32)
+    return trits * np.repeat(scale.astype(np.float32), GROUP, axis=1)[:, :k]
+
+
+# ------------------------------------------------------------------------------ Hadamard rotation
+def rotation_block(k: int, cap: int) -> int:
+    """The Walsh-Hadamard block for a reduction length k: the largest power of two that divides k, at
+    most `cap` (1 = no rotation)."""
+    b = 1
+    while b * 2 <= cap and k % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def hadamard_rows(w: np.ndarray, block: int) -> np.ndarray:
+    """Each row times the block-diagonal normalized Sylvester-Hadamard matrix (symmetric, its own inverse),
+    by the fast transform in float64 -> float32. Applied to a weight's rows (W H) and, in the graph, to the
+    layer input (H x), it leaves W x unchanged."""
+    if block <= 1:
+        return w
+    n, k = w.shape
+    x = w.astype(np.float64).reshape(n, k // block, block)
+    h = 1
+    while h < block:
+        x = x.reshape(n, k // block, block // (2 * h), 2, h)
+        a, c = x[..., 0, :], x[..., 1, :]
+        x = np.stack([a + c, a - c], axis=-2)
+        h *= 2
+    return (x.reshape(n, k) / np.sqrt(block)).astype(np.float32)
