@@ -152,7 +152,7 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
             rows = _elems(outs[0], {}) if outs else None
             last = _eval(outs[0].shape[-1], {}) if outs and outs[0].shape else None
             kind = "gemv" if rows is not None and last and rows // last == 1 else "matmul"
-            if any(t in low for t in _TERNARY_NAMES) or any(str(b.dtype) == "uint8" for b in ins):
+            if any(t in low for t in _TERNARY_NAMES):
                 return f"dequant-{kind}-ternary"
             return f"dequant-{kind}" if any(str(b.dtype) in ("uint32", "int8") for b in ins) else kind
         return "reduction"

@@ -27,9 +27,9 @@ Weights
     ``A_log`` / ``dt_bias``, which stay fp32. ``q8f16``: int8 codes + an fp16 scale per 32.
     Ternary ``t2f16`` / ``t3f16`` store every 2-D matrix (any K) as ternary codes with one fp16 scale
     per 128 along K: t2 packs 16 two-bit codes per uint32 (``ceil(K/16) x 4 B`` per row), t3 five
-    base-3 codes per byte, 26 bytes per whole group of 128 and ``ceil(r/5)`` for a last group of r
-    (``pipeline/ternary.py``); plus ``ceil(K/128) x 2 B`` of scales per row — 2.125 / 1.75 bits per
-    weight when 128 divides K.
+    base-3 codes per byte, four bytes per uint32 (``ceil(K/20) x 4 B`` per row; ``pipeline/ternary.py``);
+    plus ``ceil(K/128) x 2 B`` of scales per row — 2.125 bits per weight (t2, 128 | K), 1.725 (t3, 20 and
+    128 | K).
 Weights read per decoded token
     All weight bytes except the embedding table, of which only one row is gathered; when the
     embeddings are tied, the lm_head reads the whole embedding matrix, so it is counted once.

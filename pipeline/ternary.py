@@ -6,10 +6,14 @@ grouping PrismML's Bonsai models ship). A weight's trit t in {-1, 0, +1} is stor
 Packings (NK = [N, ...] rows of codes, KN their transpose, like q4):
 - `t2`: 16 two-bit codes per little-endian uint32, code of k at bits 2 * (k % 16): [N, ceil(K/16)] uint32.
   2 + 16/128 = 2.125 bits/weight with the scales.
-- `t3`: base 3, five codes per byte (byte = sum_j code_j * 3^j, at most 242), per group of 128: 26 bytes
-  (128 codes padded with 2 zero-weight codes to 130 = 26 x 5); a last partial group of r weights takes
-  ceil(r / 5) bytes. [N, 26 * (K // 128) + ceil((K % 128) / 5)] uint8. (26 x 8 + 16) / 128 = 1.75
-  bits/weight with the scales: the 2 padding trits per group are counted.
+- `t3`: base 3, five codes per byte (byte = sum_j code_j * 3^j, at most 242), four such bytes per
+  little-endian uint32 (20 codes; byte b at bits 8b): the code of k is trit k % 5 of byte (k % 20) // 5 of
+  word k // 20; rows padded with zero-weight codes to a multiple of 20: [N, ceil(K/20)] uint32 — in memory
+  exactly the bytes of the plain 5-per-byte stream. A byte may hold codes of two scale groups (the scales
+  are a separate array), which keeps the word index k // 20 an affine split of k — the form dlight's GEMV
+  rule schedules — and 32-bit loads avoid TVM's broken OpenCL codegen for gathered uchar vectors.
+  32 * ceil(K/20) / K + 16/128 bits/weight: 1.725 when 20 and 128 divide K (qwen27b's 5120), 1.726 for
+  K = 17408 (the padding codes are counted).
 K need not be a multiple of 128: the last group is shorter (its padding is zero weights, never read).
 
 Ternarisation (`ternarize`) is MSE-optimal per group: keeping the m largest |w| with the scale s = their
@@ -26,7 +30,7 @@ import numpy as np
 GROUP = 128
 T2_PER_WORD = 16
 T3_PER_BYTE = 5
-T3_GROUP_BYTES = -(-GROUP // T3_PER_BYTE)          # 26
+T3_PER_WORD = 20           # four bytes of five trits
 PACKINGS = ("t2", "t3")
 _POW3 = np.array([1, 3, 9, 27, 81], np.uint16)
 
@@ -44,13 +48,14 @@ def packed_len(fmt: str, k: int) -> int:
     if fmt == "t2":
         return -(-k // T2_PER_WORD)
     if fmt == "t3":
-        full, rest = divmod(k, GROUP)
-        return full * T3_GROUP_BYTES + -(-rest // T3_PER_BYTE)
+        return -(-k // T3_PER_WORD)
     raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
 
 
 def code_dtype(fmt: str) -> str:
-    return {"t2": "uint32", "t3": "uint8"}[fmt]
+    if fmt not in PACKINGS:
+        raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
+    return "uint32"
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -112,12 +117,10 @@ def pack(trits: np.ndarray, fmt: str, k: int) -> np.ndarray:
         c = _pad_cols(codes, width)[:, :width].reshape(n, -1, T2_PER_WORD).astype(np.uint32)
         return np.bitwise_or.reduce(c << (np.arange(T2_PER_WORD, dtype=np.uint32) * 2), axis=-1)
     if fmt == "t3":
-        g = n_groups(k)
-        c = _pad_cols(codes, g * GROUP).reshape(n, g, GROUP)
-        c = np.concatenate([c, np.ones((n, g, T3_GROUP_BYTES * T3_PER_BYTE - GROUP), np.uint8)], axis=-1)
-        c = c.reshape(n, g * T3_GROUP_BYTES, T3_PER_BYTE).astype(np.uint16)
-        packed = (c * _POW3).sum(axis=-1).astype(np.uint8)
-        return np.ascontiguousarray(packed[:, :packed_len("t3", k)])
+        width = packed_len("t3", k) * T3_PER_WORD
+        c = _pad_cols(codes[:, :k], width).reshape(n, -1, T3_PER_BYTE).astype(np.uint16)
+        stream = np.ascontiguousarray((c * _POW3).sum(axis=-1).astype(np.uint8))
+        return stream.view("<u4").astype(np.uint32, copy=False)
     raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
 
 
@@ -135,11 +138,8 @@ def unpack(packed: np.ndarray, fmt: str, k: int) -> np.ndarray:
         shifts = np.arange(T2_PER_WORD, dtype=np.uint32) * 2
         codes = ((packed.astype(np.uint32)[..., None] >> shifts) & 3).reshape(n, -1)
     elif fmt == "t3":
-        g = n_groups(k)
-        full = np.ones((n, g * T3_GROUP_BYTES), np.uint8) * 121       # 121 = five zero-weight codes
-        full[:, :packed.shape[1]] = packed
-        codes = (full.astype(np.uint16)[..., None] // _POW3) % 3
-        codes = codes.reshape(n, g, T3_GROUP_BYTES * T3_PER_BYTE)[:, :, :GROUP].reshape(n, -1)
+        stream = np.ascontiguousarray(packed.astype("<u4")).view(np.uint8)
+        codes = ((stream.astype(np.uint16)[..., None] // _POW3) % 3).reshape(n, -1)
     else:
         raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
     return (codes[:, :k].astype(np.int16) - 1).astype(np.int8)

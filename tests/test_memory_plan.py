@@ -213,7 +213,7 @@ def test_tiny_qwen35_matches_transformers():
     assert plan["recurrent_state"]["conv_bytes"] == 3 * (2 * 2 * 16 + 4 * 16) * 3 * 2
 
 
-@pytest.mark.parametrize("quant", ["q0f16", "q4f16", "q8f16", "mixed"])
+@pytest.mark.parametrize("quant", ["q0f16", "q4f16", "q8f16", "mixed", "ternary", "ternary_t3", "ternary_ptq_rot"])
 def test_plan_bytes_equal_the_compiled_models_parameters(qwen27b, quant):
     """The plan is computed from the config; the model definition declares the real parameters. They agree
     byte for byte (a 4-layer cut of the real 27B config, phone target, so activations/norms are fp16)."""

@@ -55,7 +55,7 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
     """TE for W^T[k, n] from ternary codes (code = trit + 1) + one scale per 128 weights along K.
 
     t2: 16 two-bit codes per uint32 (NK [N, ceil(K/16)], KN transposed); t3: base-3, 5 codes per byte,
-    26 bytes per group of 128 (see pipeline/ternary.py). Pure index arithmetic on the packed buffer, so the
+    4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/ternary.py). Pure index arithmetic on the packed buffer, so the
     fused kernel reads packed codes only."""
     def at(buf, kk, nn_):
         return buf[nn_, kk] if layout == "NK" else buf[kk, nn_]
@@ -65,9 +65,10 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
             word = at(packed, kk // tern.T2_PER_WORD, nn_)
             shift = (kk % tern.T2_PER_WORD * 2).astype("uint32")
             return (word >> shift) & tirx.const(3, "uint32")
-        r = kk % tern.GROUP
-        byte = at(packed, kk // tern.GROUP * tern.T3_GROUP_BYTES + r // tern.T3_PER_BYTE, nn_).astype("int32")
-        j = r % tern.T3_PER_BYTE
+        word = at(packed, kk // tern.T3_PER_WORD, nn_)
+        shift = (kk % tern.T3_PER_WORD // tern.T3_PER_BYTE * 8).astype("uint32")
+        byte = ((word >> shift) & tirx.const(0xFF, "uint32")).astype("int32")
+        j = kk % tern.T3_PER_BYTE
         pow3 = tirx.Select(j == 0, 1, tirx.Select(j == 1, 3, tirx.Select(j == 2, 9, tirx.Select(j == 3, 27, 81))))
         return tirx.floormod(tirx.floordiv(byte, pow3), 3)
 
