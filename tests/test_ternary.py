@@ -345,3 +345,32 @@ def test_memory_plan_ternary_bits():
     t3 = memory_plan(cfg, quant="t3f16")["weights_total"]["bytes"]
     print(f"\nqwen27b all-t3 weights: {t3 / 1e9:.2f} GB")
     assert t3 < 6.5e9
+
+
+def _aarch64_objects(bundle) -> list[bytes]:
+    import tarfile
+
+    cfg = json.loads((bundle / "mlc-chat-config.json").read_text())
+    with tarfile.open(bundle / cfg["model_lib"]) as tar:
+        return [tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()]
+
+
+@pytest.mark.parametrize("target,scheme", [
+    ("android-cpu", "ternary_t3"),
+    pytest.param("android-adreno", "ternary", marks=pytest.mark.slow),
+    pytest.param("android-adreno", "ternary_t3", marks=pytest.mark.slow),
+])
+def test_phone_targets_compile_ternary(ternary_model, build_bundle, target, scheme):
+    """The phone libraries build with ternary weights: aarch64 objects (+ OpenCL kernels on adreno, where
+    every ternary decode GEMV is scheduled by the GEMV rule), bundle with the packed tensor cache."""
+    folder, _ = ternary_model
+    bundle = build_bundle(folder, target, scheme)
+    objs = _aarch64_objects(bundle)
+    assert objs and all(o[:4] == b"\x7fELF" and int.from_bytes(o[18:20], "little") == 183 for o in objs)
+    kernels = json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]
+    fmt = {"ternary": "t2", "ternary_t3": "t3"}[scheme]
+    assert any(f"dequantize_{fmt}" in k["name"] for k in kernels)
+    if target == "android-adreno":
+        assert any(b"__kernel" in o for o in objs)
+        rules = {k["name"]: k["rule"] for k in kernels if f"dequantize_{fmt}" in k["name"]}
+        assert "gemv" in rules.values() and all(r in ("gemv", "matmul") for r in rules.values()), rules
