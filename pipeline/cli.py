@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="compile a model into a bundle for a target")
     b.add_argument("--model", default="smollm2-135m", help="registry name (configs/models) or a HF folder/.gguf")
     b.add_argument("--target", default="android-adreno", help="a name from targets/")
-    b.add_argument("--quant", default="q4f16", help="a name from configs/quant/")
+    b.add_argument("--quant", default="q4f16", help="a name from configs/quant/ or a path to a scheme .yaml")
     b.add_argument("--weights", default=None, help="weights folder/file (overrides the model config's)")
     b.add_argument("--out", default="dist", help="output root (default: dist)")
     b.add_argument("--phone", default=None, help="a phone from configs/phones.yaml (memory plan, --quant auto)")

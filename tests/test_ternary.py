@@ -374,3 +374,20 @@ def test_phone_targets_compile_ternary(ternary_model, build_bundle, target, sche
         assert any(b"__kernel" in o for o in objs)
         rules = {k["name"]: k["rule"] for k in kernels if f"dequantize_{fmt}" in k["name"]}
         assert "gemv" in rules.values() and all(r in ("gemv", "matmul") for r in rules.values()), rules
+
+
+def test_scheme_options_are_checked(tmp_path):
+    from pipeline.config import QuantSpec, load_quant
+    from pipeline.errors import ConfigError
+
+    path = tmp_path / "s.yaml"
+    with pytest.raises(ConfigError, match="rotation makes natively ternary weights non-ternary"):
+        QuantSpec(name="s", weight_format="t2", rotation=128, path=path)
+    with pytest.raises(ConfigError, match="unknown ternary_source"):
+        QuantSpec(name="s", weight_format="t3", ternary_source="maybe", path=path)
+    with pytest.raises(ConfigError, match="not 0 or a power of two"):
+        QuantSpec(name="s", weight_format="float", rotation=100, path=path)
+    rot = load_quant("ternary_ptq_rot")
+    assert rot.ternary and rot.rotation == 1024 and rot.ternary_source == "ptq"
+    assert load_quant("ternary_t3").formats == {"embed_tokens": "q8", "lm_head": "q8"}
+    assert not load_quant("q4f16").ternary
