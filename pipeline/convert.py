@@ -133,14 +133,21 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
     scale = np.empty(scale_shape, np.float16)
     for r0, block in _row_blocks(ckpt, names, block_bytes, rotate):
         p, s = (quantize_q4 if bits == 4 else quantize_q8)(block, "NK")
-        r1 = r0 + len(block)
-        if nk:
-            packed[r0:r1], scale[r0:r1] = p, s
-        else:
-            packed[:, r0:r1], scale[:, r0:r1] = p.T, s.T
-        if on_bytes:
-            on_bytes(p.nbytes if name.endswith(".q_weight") else s.nbytes)
+        _store_rows(packed, scale, r0, p, s, nk, name, on_bytes)
     return packed, scale
+
+
+def _store_rows(packed: np.ndarray, scale: np.ndarray, r0: int, p: np.ndarray, s: np.ndarray, nk: bool,
+                name: str, on_bytes: Callable[[int], None] | None) -> None:
+    """Place one block of NK-quantized rows (codes p, scales s) at row r0 of the outputs in their layout
+    (KN: as columns) and count the output bytes of the tensor being produced."""
+    r1 = r0 + len(p)
+    if nk:
+        packed[r0:r1], scale[r0:r1] = p, s
+    else:
+        packed[:, r0:r1], scale[:, r0:r1] = p.T, s.T
+    if on_bytes:
+        on_bytes(p.nbytes if name.endswith(".q_weight") else s.nbytes)
 
 
 # coarsest first: the tolerance of a fused parameter is that of its least precise source
@@ -199,14 +206,7 @@ def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes
         s = s64.astype(np.float16)
         if stats is not None:
             _ternary_stats(stats, block, trits, s, s64, native)
-        p = tern.pack(trits, fmt, k)
-        r1 = r0 + len(block)
-        if nk:
-            packed[r0:r1], scale[r0:r1] = p, s
-        else:
-            packed[:, r0:r1], scale[:, r0:r1] = p.T, s.T
-        if on_bytes:
-            on_bytes(p.nbytes if name.endswith(".q_weight") else s.nbytes)
+        _store_rows(packed, scale, r0, tern.pack(trits, fmt, k), s, nk, name, on_bytes)
     return packed, scale
 
 
