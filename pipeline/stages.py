@@ -156,8 +156,11 @@ def tune(mod: Any, target: TargetSpec):
 
 
 def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec,
-          report: Reporter) -> tuple[Path, dict[str, Any]]:
-    """fuse + tune + compile, cached by a key over everything the library depends on."""
+          report: Reporter, force_cpu: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """fuse + tune + compile, cached by a key over everything the library depends on.
+
+    `force_cpu`: comma-separated op classes pinned to the CPU on top of the target's `force_cpu`."""
+    from . import force_cpu as forcing
     from .bundle import atomic_dir
     from .compile import attach_metadata, build_library
 
@@ -165,10 +168,11 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     meta["activation_dtype"] = defined.activation_dtype
     meta["weight_layout"] = defined.layout
     tvm_target = target.tvm()
+    forced = forcing.reasons(target, force_cpu)
     key = _digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
-                   "meta": meta})
+                   "meta": meta, "force_cpu": forced})
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")
@@ -177,15 +181,21 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     with atomic_dir(out) as tmp:
         with report.step("fuse"):
             mod = fuse(defined, target)
+        unscheduled = {gv.name_hint: f for gv, f in mod.functions_items()}
         with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
             mod, schedules = tune(mod, target)
         if target.npu:
             from .hexagon import partition
 
             schedules = partition(mod, schedules, target.npu, loaded.decoder.vocab_size)
+        mod, schedules = forcing.apply(mod, unscheduled, schedules, forced, target)
+        if forced:
+            n = sum(1 for s in schedules if s.rule == "forced-cpu")
+            report.info(f"force_cpu: {n} kernel(s) of {', '.join(forced)} pinned to the CPU")
         from .coverage import coverage_report, write_coverage
 
-        coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size)
+        coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size,
+                                   param_names=[n for n, _ in defined.params])
         write_coverage(coverage, tmp)
         with report.step(f"compile for {target.name}"):
             lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
@@ -338,9 +348,10 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
 
 
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
-                 report: Reporter | None = None, phone: str | dict | None = None) -> BuildResult:
+                 report: Reporter | None = None, phone: str | dict | None = None,
+                 force_cpu: str | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
-    and QUANT=auto."""
+    and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py)."""
     import dataclasses
 
     from .config import load_phone
@@ -352,7 +363,10 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
         target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
     quant_spec = load_quant(quant)
     model_spec = load_model(model, weights)
-    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone])
+    from .force_cpu import reasons
+
+    forced = reasons(target_spec, force_cpu)   # an unknown op class fails here, before any work
+    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
     if _bundle_current(final, req, field="request_key"):
         report.info(f"{final} is up to date (cache hit: inputs unchanged, all files intact)")
@@ -365,7 +379,7 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
         quant_spec, extra_reports = choose_formats(loaded, quant_spec, target_spec, report)
     defined = define(loaded, quant_spec, target_spec)
     weights_dir = quantize(loaded, defined, quant_spec, report)
-    lib_dir, info = build(loaded, defined, quant_spec, target_spec, report)
+    lib_dir, info = build(loaded, defined, quant_spec, target_spec, report, force_cpu=force_cpu)
     bundle = emit(loaded, quant_spec, target_spec, weights_dir, lib_dir, info, Path(out), report,
                   request_key=req, extra_reports=extra_reports)
     seconds = time.time() - t0
