@@ -61,6 +61,7 @@ class TargetSpec:
     phone: dict[str, Any] = field(default_factory=dict)
     npu: dict[str, Any] = field(default_factory=dict)   # second library for an NPU (see pipeline/hexagon.py)
     force_cpu: tuple[str, ...] = ()   # op classes pinned to the CPU (see pipeline/force_cpu.py)
+    verify_kernels: str | None = None   # "pocl": run the build's kernels on PoCL (see pipeline/execution.py)
     path: Path | None = None
 
     def tvm(self):

@@ -330,7 +330,10 @@ def kernel_modules(mod: tvm.IRModule, param_names: list[str]) -> dict[str, list[
                     kernels, args = list(_KV_DISPATCH.get(gv.name_hint, ())), list(value.args)
                 else:
                     continue
-                calls.append((kernels, {param_module[a] for a in args if a in param_module}))
+                mods = {param_module[a] for a in args if a in param_module}
+                if gv.name_hint != "embed" and mods == {"embed_tokens"}:
+                    mods = {"lm_head (tied to embed_tokens)"}   # the tied output projection reads the table
+                calls.append((kernels, mods))
         for i, (kernels, mods) in enumerate(calls):
             if not mods:
                 prev = next((m for _, m in reversed(calls[:i]) if m), set())
@@ -577,6 +580,13 @@ def to_markdown(report: dict[str, Any]) -> str:
                   f"({c.get('accelerator_calls', c['npu_calls'])} of {c['decode_calls']} decode kernel calls on "
                   f"the {acc}), moving about "
                   f"{_fmt_bytes(c['bytes_moved_per_token'])} per token ({c['note']})."]
+    if "execution" in s:
+        e = s["execution"]
+        lines += ["", f"Executed here: {e['executed']} of {s['kernels']} kernels ({e['how']}); "
+                  f"{e['not_executed']} compiled, not executed (reason per kernel below)."
+                  + (f" MISMATCH vs LLVM: {', '.join(e['mismatched'])}." if e["mismatched"] else "")]
+    for sp in report.get("splits") or []:
+        lines += ["", f"Split: {sp['message']}; rows per part {sp['rows']}."]
     acc = s.get("crossings", {}).get("accelerator", "GPU")
     lines += ["", "## Op classes", "", f"| op class | kernels | {acc} | CPU | decode calls | decode bytes | decode FLOPs |",
               "|---|---|---|---|---|---|---|"]

@@ -87,19 +87,29 @@ class Defined:
     mod: Any                          # exported Relax IRModule
     layout: str
     activation_dtype: str
+    splits: list[dict[str, Any]] = field(default_factory=list)   # tensors split for max_buffer_bytes
 
 
-def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec) -> Defined:
+def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporter | None = None) -> Defined:
+    """The model in the scheme's storage; vocab tables over the target's `capabilities.max_buffer_bytes`
+    come in parts (models/split.py)."""
     from .models import model_class
-    from .models.layers import LayerFactory
+    from .models.split import SplitFactory
 
     layout = quant.layout_for(target)
     act = quant.activation_dtype(target)
-    factory = LayerFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
-                           layout=layout, formats=dict(quant.formats))
+    limit = (target.capabilities or {}).get("max_buffer_bytes")
+    factory = SplitFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
+                           layout=layout, formats=dict(quant.formats),
+                           max_buffer_bytes=int(limit) if limit else None)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
-    return Defined(module, params, mod, layout, act)
+    for sp in factory.splits:
+        sp["message"] = (f"split {sp['role']} ({sp['bytes'] / 2**30:.2f} GiB) into {sp['parts']} parts "
+                         f"(reason: max single allocation {sp['max_buffer_bytes']} bytes on {target.name})")
+        if report is not None:
+            report.info(sp["message"])
+    return Defined(module, params, mod, layout, act, factory.splits)
 
 
 def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporter) -> Path | None:
@@ -156,10 +166,11 @@ def tune(mod: Any, target: TargetSpec):
 
 
 def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec,
-          report: Reporter, force_cpu: str | None = None) -> tuple[Path, dict[str, Any]]:
+          report: Reporter, force_cpu: str | None = None, verify: bool | None = None) -> tuple[Path, dict[str, Any]]:
     """fuse + tune + compile, cached by a key over everything the library depends on.
 
-    `force_cpu`: comma-separated op classes pinned to the CPU on top of the target's `force_cpu`."""
+    `force_cpu`: comma-separated op classes pinned to the CPU on top of the target's `force_cpu`.
+    `verify`: run the kernels on PoCL (None: the target's `verify_kernels`)."""
     from . import force_cpu as forcing
     from .bundle import atomic_dir
     from .compile import attach_metadata, build_library
@@ -169,10 +180,15 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     meta["weight_layout"] = defined.layout
     tvm_target = target.tvm()
     forced = forcing.reasons(target, force_cpu)
+    verify = bool(target.verify_kernels) if verify is None else verify
+    if verify and target.is_gpu:   # the report says whether kernels ran: part of the cached product
+        from . import verify_opencl
+
+        verify = "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
     key = _digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
-                   "meta": meta, "force_cpu": forced})
+                   "meta": meta, "force_cpu": forced, "verify": verify})
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")
@@ -196,6 +212,8 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
 
         coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size,
                                    param_names=[n for n, _ in defined.params])
+        _record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
+        coverage["splits"] = list(defined.splits)
         write_coverage(coverage, tmp)
         with report.step(f"compile for {target.name}"):
             lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
@@ -211,6 +229,24 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                 info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
         (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return out, info
+
+
+def _record_execution(coverage: dict[str, Any], mod: Any, loaded: Loaded, quant: QuantSpec, target: TargetSpec,
+                      schedules: list[Any], verify: Any, report: Reporter) -> None:
+    """The coverage report's "executed here" column, from actual runs (see execution.py)."""
+    from . import verify_opencl
+    from .execution import annotate, twin_module, verdicts
+
+    twin = None
+    if verify == "pocl" and verify_opencl.find_opencl_device() is not None:
+        with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
+            twin = twin_module(loaded, quant, target)
+            verdict, summary = verdicts(target, schedules, verify, twin, mod)
+    else:
+        verdict, summary = verdicts(target, schedules, verify)
+    annotate(coverage, verdict, summary)
+    if summary["mismatched"]:
+        report.info(f"[yellow]warning:[/] kernels differ from LLVM on PoCL: {', '.join(summary['mismatched'])}")
 
 
 def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | None, lib_dir: Path,
@@ -349,9 +385,10 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
 
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
                  report: Reporter | None = None, phone: str | dict | None = None,
-                 force_cpu: str | None = None) -> BuildResult:
+                 force_cpu: str | None = None, verify: bool | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
-    and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py)."""
+    and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py).
+    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`)."""
     import dataclasses
 
     from .config import load_phone
@@ -366,7 +403,7 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     from .force_cpu import reasons
 
     forced = reasons(target_spec, force_cpu)   # an unknown op class fails here, before any work
-    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced])
+    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
     if _bundle_current(final, req, field="request_key"):
         report.info(f"{final} is up to date (cache hit: inputs unchanged, all files intact)")
@@ -377,9 +414,9 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     extra_reports: dict[str, str] = {}
     if quant_spec.auto_context:
         quant_spec, extra_reports = choose_formats(loaded, quant_spec, target_spec, report)
-    defined = define(loaded, quant_spec, target_spec)
+    defined = define(loaded, quant_spec, target_spec, report)
     weights_dir = quantize(loaded, defined, quant_spec, report)
-    lib_dir, info = build(loaded, defined, quant_spec, target_spec, report, force_cpu=force_cpu)
+    lib_dir, info = build(loaded, defined, quant_spec, target_spec, report, force_cpu=force_cpu, verify=verify)
     bundle = emit(loaded, quant_spec, target_spec, weights_dir, lib_dir, info, Path(out), report,
                   request_key=req, extra_reports=extra_reports)
     seconds = time.time() - t0
