@@ -104,12 +104,23 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
                            max_buffer_bytes=int(limit) if limit else None)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
+    too_big = [n for n, p in params if limit and _nbytes(p) > int(limit)]
+    if too_big and report is not None:
+        report.info(f"[yellow]warning:[/] {', '.join(too_big[:3])} exceed {target.name}'s max single allocation "
+                    f"({limit} bytes) and are not vocab tables, which alone are split")
     for sp in factory.splits:
-        sp["message"] = (f"split {sp['role']} ({sp['bytes'] / 2**30:.2f} GiB) into {sp['parts']} parts "
+        size = f"{sp['bytes'] / 2**30:.2f} GiB" if sp["bytes"] >= 2**28 else f"{sp['bytes']} bytes"
+        sp["message"] = (f"split {sp['role']} ({size}) into {sp['parts']} parts "
                          f"(reason: max single allocation {sp['max_buffer_bytes']} bytes on {target.name})")
         if report is not None:
             report.info(sp["message"])
     return Defined(module, params, mod, layout, act, factory.splits)
+
+
+def _nbytes(param: Any) -> int:
+    import numpy as np
+
+    return int(np.prod([int(d) for d in param.shape])) * np.dtype(str(param.dtype)).itemsize
 
 
 def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporter) -> Path | None:
@@ -325,7 +336,8 @@ def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, bui
     try:
         plan = memory_plan(loaded.hf_config, quant=scheme, group_modes=group_modes,
                            compute_dtype=build_info["metadata"]["activation_dtype"],
-                           prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None)
+                           prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None,
+                           max_buffer_bytes=(target.capabilities or {}).get("max_buffer_bytes"))
     except ValueError as err:
         report.info(f"[yellow]note:[/] no memory plan ({err})")
         return

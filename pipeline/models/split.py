@@ -37,15 +37,13 @@ SPLIT_ROLES = ("embed_tokens", "lm_head")
 
 
 def split_rows(rows: int, row_bytes: int, limit: int | None, what: str = "tensor") -> list[int]:
-    """Rows per part so that no part exceeds `limit` bytes; as even as possible (the last may be smaller)."""
-    if not limit or rows * row_bytes <= limit:
-        return [rows]
-    if row_bytes > limit:
-        raise ConfigError(f"one row of {what} ({row_bytes} bytes) exceeds max_buffer_bytes {limit}",
-                          fix="raise capabilities.max_buffer_bytes in the target YAML")
-    parts = math.ceil(rows / (limit // row_bytes))
-    size = math.ceil(rows / parts)
-    return [size] * (parts - 1) + [rows - size * (parts - 1)]
+    """Rows per part so that no part exceeds `limit` bytes (the memory plan's rule, one-line error here)."""
+    from ..memory_plan import split_rows as plan_rows
+
+    try:
+        return plan_rows(rows, row_bytes, limit)
+    except ValueError as err:
+        raise ConfigError(f"{what}: {err}", fix="raise capabilities.max_buffer_bytes in the target YAML") from None
 
 
 def _row_bytes(layer: nn.Module, rows: int) -> int:
