@@ -12,6 +12,8 @@ nothing ran at build time (Hexagon: no HVX runtime here).
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 import time
 from typing import Any
 
@@ -24,6 +26,9 @@ KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_
 TOLERANCE = 1e-4          # of the output's largest magnitude
 SEQ_LEN = 5               # the symbolic seq_len of prefill kernels
 MAX_ARG_BYTES = 256 * 2**20   # bigger kernels (a 27B model's vocab GEMV) are only compiled: RAM and time
+AUTO_VERIFY_MAX_BYTES = 2**30   # bigger models verify only with --verify (minutes, GBs of random inputs)
+MAX_RESTARTS = 8              # child processes per build (each crash costs one kernel's verdict)
+CHILD_TIMEOUT_S = 900
 
 
 def not_executed(why: str) -> str:
@@ -60,12 +65,17 @@ def verdicts(target: Any, records: list[Any], verify: bool, twin: Any = None,
     if target.tvm_target.get("kind") != "opencl":
         out = {n: not_executed(f"no {target.tvm_target.get('kind')} device here") for n in names}
         return out, _summary(out, "none at build time")
+    if verify == "too-big":
+        out = {n: not_executed(f"build-time verification skipped: over {AUTO_VERIFY_MAX_BYTES // 2**30} GiB of "
+                               "weights; pass --verify") for n in names}
+        return out, _summary(out, "skipped (model size)")
     if not verify:
-        out = {n: not_executed("kernel verification off for this target (verify_kernels)") for n in names}
+        out = {n: not_executed("kernel verification off (--no-verify or the target's verify_kernels)")
+               for n in names}
         return out, _summary(out, "off")
     from . import verify_opencl
 
-    if verify_opencl.find_opencl_device() is None:
+    if verify == "no-device" or verify_opencl.find_opencl_device() is None:
         out = {n: not_executed("no OpenCL device here: install pyopencl + pocl-opencl-icd") for n in names}
         return out, _summary(out, "no OpenCL device")
     t0 = time.time()
@@ -116,43 +126,101 @@ def twin_module(loaded: Any, quant: Any, target: Any):
 
 
 def run_twin(mod: Any, target: Any) -> dict[str, tuple[list[list[str]], str]]:
-    """Schedule each kernel of the twin with the target's rules, run it on PoCL and on LLVM, compare.
+    """Run the twin's kernels in a child process, so that a kernel that crashes the OpenCL driver (or reads
+    out of bounds on random inputs) costs its own verdict, not the build: the child streams one JSON line
+    per kernel; when it dies, the kernel it had started is marked crashed and a new child goes on.
     {kernel: (its buffer shapes, verdict)}."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import tvm
+
+    from .config import ROOT
+
+    out: dict[str, tuple[list[list[str]], str]] = {}
+    with tempfile.TemporaryDirectory(prefix="mlp-verify-") as tmp:
+        twin, log = Path(tmp) / "twin.json", Path(tmp) / "results.jsonl"
+        twin.write_text(tvm.ir.save_json(mod))
+        spec = json.dumps({"tvm_target": dict(target.tvm_target), "rules": list(target.schedule_rules)})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        for _ in range(MAX_RESTARTS):
+            skip = json.dumps(sorted(out))
+            try:
+                code = subprocess.run([sys.executable, "-m", "pipeline.execution", str(twin), spec, str(log), skip],
+                                      env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            started = None
+            for line in log.read_text().splitlines() if log.exists() else []:
+                rec = json.loads(line)
+                if "start" in rec:
+                    started = rec
+                else:
+                    out[rec["name"]] = (rec["sig"], rec["verdict"])
+                    started = None
+            log.unlink(missing_ok=True)
+            if code == 0:
+                break
+            if started is None:   # died before any kernel: nothing more to learn
+                break
+            out[started["start"]] = (started["sig"], not_executed(f"the PoCL run crashed (exit {code})"))
+    return out
+
+
+def _run_kernels(twin_path: str, spec: dict[str, Any], log_path: str, skip: list[str]) -> None:
+    """Child process: schedule, run on PoCL and LLVM, compare, one JSON line per kernel (see run_twin)."""
+    import os
+    import warnings
+
     import tvm
     from tvm import tirx
+
+    warnings.filterwarnings("ignore")      # pyopencl's "non-empty compiler output"
+    mod = tvm.ir.load_json(open(twin_path).read())
+    target = tvm.target.Target({**spec["tvm_target"], "host": {"kind": "llvm"}})
+    with open(log_path, "a") as log:
+        for gv, func in mod.functions_items():
+            name = gv.name_hint
+            if not isinstance(func, tirx.PrimFunc) or any(k in name for k in KV_DRIVEN) or name in skip:
+                continue
+            sig = signature(func)
+            log.write(json.dumps({"start": name, "sig": sig}) + "\n")
+            log.flush()
+            if os.environ.get("MLP_VERIFY_ABORT_ON") == name:   # test hook: a kernel that kills the driver
+                os.abort()
+            verdict = run_kernel(name, func, target, tuple(spec["rules"]))
+            log.write(json.dumps({"name": name, "sig": sig, "verdict": verdict}) + "\n")
+            log.flush()
+
+
+def run_kernel(name: str, func: Any, target: Any, rules: tuple[str, ...]) -> str:
+    """One kernel: scheduled by the target's rules, run on PoCL, compared with LLVM; the verdict."""
+    import tvm
 
     from .tune import schedule_module
     from .verify_opencl import opencl_kernels, run_on_llvm, run_on_pocl
 
-    twin_target = dataclasses.replace(target, tvm_target={**target.tvm_target, "host": {"kind": "llvm"}}).tvm()
-    out = {}
-    for gv, func in mod.functions_items():
-        name = gv.name_hint
-        if not isinstance(func, tirx.PrimFunc) or any(k in name for k in KV_DRIVEN):
-            continue
-        sig = signature(func)
-        try:
-            args = random_args(func, np.random.default_rng(0), {"seq_len": SEQ_LEN})
-        except KeyError as err:
-            out[name] = (sig, not_executed(f"symbolic size {err.args[0]} has no test value here"))
-            continue
-        size = sum(a.nbytes for a in args)
-        if size > MAX_ARG_BYTES:
-            out[name] = (sig, not_executed(f"too large to run here ({size / 2**20:.0f} MiB of arguments)"))
-            continue
-        try:
-            func = func.with_attr("global_symbol", name)
-            scheduled, _ = schedule_module(tvm.IRModule({name: func}), twin_target, target.schedule_rules, "gpu")
-            expected = run_on_llvm(func, [a.copy() for a in args])[-1]
-            got = run_on_pocl(opencl_kernels(scheduled, twin_target), name, [a.copy() for a in args])[-1]
-        except Exception as err:  # noqa: BLE001 - one kernel that cannot run here must not stop the build
-            out[name] = (sig, not_executed(f"PoCL run failed: {str(err).strip().splitlines()[-1][:80]}"))
-            continue
-        scale = max(float(np.abs(expected).max()), 1e-30)
-        err = float(np.abs(got - expected).max()) / scale
-        out[name] = (sig, executed(f"PoCL, fp32 twin, matches LLVM: rel. err {err:.1e}") if err <= TOLERANCE else
-                     executed(f"PoCL, fp32 twin: MISMATCH vs LLVM, rel. err {err:.1e}"))
-    return out
+    try:
+        args = random_args(func, np.random.default_rng(0), {"seq_len": SEQ_LEN})
+    except KeyError as err:
+        return not_executed(f"symbolic size {err.args[0]} has no test value here")
+    size = sum(a.nbytes for a in args)
+    if size > MAX_ARG_BYTES:
+        return not_executed(f"too large to run here ({size / 2**20:.0f} MiB of arguments)")
+    try:
+        func = func.with_attr("global_symbol", name)
+        scheduled, _ = schedule_module(tvm.IRModule({name: func}), target, rules, "gpu")
+        expected = run_on_llvm(func, [a.copy() for a in args])[-1]
+        got = run_on_pocl(opencl_kernels(scheduled, target), name, [a.copy() for a in args])[-1]
+    except Exception as err:  # noqa: BLE001 - one kernel that cannot run here must not stop the others
+        return not_executed(f"PoCL run failed: {str(err).strip().splitlines()[-1][:80]}")
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    err = float(np.abs(got - expected).max()) / scale
+    if err <= TOLERANCE:
+        return executed(f"PoCL, fp32 twin, matches LLVM: rel. err {err:.1e}")
+    return executed(f"PoCL, fp32 twin: MISMATCH vs LLVM, rel. err {err:.1e}")
 
 
 def random_args(func: Any, rng: np.random.Generator, sizes: dict[str, int]) -> list[np.ndarray]:
@@ -179,3 +247,7 @@ def annotate(report: dict[str, Any], verdict: dict[str, str], summary: dict[str,
     for row in report["kernels"]:
         row["executed"] = verdict.get(row["name"], not_executed("not recorded"))
     report["summary"]["execution"] = summary
+
+
+if __name__ == "__main__":   # the child of run_twin
+    _run_kernels(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))

@@ -191,11 +191,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     meta["weight_layout"] = defined.layout
     tvm_target = target.tvm()
     forced = forcing.reasons(target, force_cpu)
-    verify = bool(target.verify_kernels) if verify is None else verify
-    if verify and target.is_gpu:   # the report says whether kernels ran: part of the cached product
-        from . import verify_opencl
-
-        verify = "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
+    verify = _verify_mode(target, verify, defined)
     key = _digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
@@ -240,6 +236,21 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                 info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
         (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return out, info
+
+
+def _verify_mode(target: TargetSpec, verify: bool | None, defined: Defined) -> str | bool:
+    """Whether and how the build runs its kernels (part of the cache key: the report says what ran)."""
+    from .execution import AUTO_VERIFY_MAX_BYTES
+
+    if verify is None:
+        verify = bool(target.verify_kernels)
+        if verify and sum(_nbytes(p) for _, p in defined.params) > AUTO_VERIFY_MAX_BYTES:
+            return "too-big"
+    if not verify or not target.is_gpu:
+        return bool(verify)
+    from . import verify_opencl
+
+    return "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
 
 
 def _record_execution(coverage: dict[str, Any], mod: Any, loaded: Loaded, quant: QuantSpec, target: TargetSpec,

@@ -70,3 +70,16 @@ def test_verdicts_for_other_targets():
     assert all("verification off" in v for v in out.values())
     out, _ = execution.verdicts(load_target("ios-metal"), recs, verify=True)
     assert all(v == "compiled, not executed (no metal device here)" for v in out.values())
+
+
+@needs_pocl
+def test_a_crashing_kernel_costs_only_its_own_verdict(tiny_llama, tmp_path, monkeypatch):
+    """Kernels run in a child process: one that kills it (here: an abort injected on rms_norm) is marked
+    crashed, the others still run."""
+    monkeypatch.setenv("MLP_VERIFY_ABORT_ON", "rms_norm")
+    monkeypatch.setenv("MLP_CACHE_DIR", str(tmp_path / "cache"))   # not the library cached by the tests above
+    bundle = _build(tiny_llama, tmp_path / "crash")
+    rows = {r["name"]: r for r in json.loads((bundle / "reports" / "coverage.json").read_text())["kernels"]}
+    assert rows["rms_norm"]["executed"].startswith("compiled, not executed (the PoCL run crashed (exit")
+    assert rows["rms_norm1"]["executed"].startswith("executed here (PoCL")
+    assert sum(r["executed"].startswith("executed here") for r in rows.values()) >= 20
