@@ -585,6 +585,11 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Executed here: {e['executed']} of {s['kernels']} kernels ({e['how']}); "
                   f"{e['not_executed']} compiled, not executed (reason per kernel below)."
                   + (f" MISMATCH vs LLVM: {', '.join(e['mismatched'])}." if e["mismatched"] else "")]
+    big = report.get("largest_parameter")
+    if big and big.get("max_buffer_bytes"):
+        lines += ["", f"Largest single tensor: `{big['name']}`, {_fmt_bytes(big['bytes'])} "
+                  f"({'fits' if big['fits'] else 'EXCEEDS'} the max single allocation of "
+                  f"{_fmt_bytes(big['max_buffer_bytes'])})."]
     for sp in report.get("splits") or []:
         lines += ["", f"Split: {sp['message']}; rows per part {sp['rows']}."]
     acc = s.get("crossings", {}).get("accelerator", "GPU")

@@ -221,6 +221,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                                    param_names=[n for n, _ in defined.params])
         _record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
         coverage["splits"] = list(defined.splits)
+        coverage["largest_parameter"] = _largest_parameter(defined, target)
         write_coverage(coverage, tmp)
         with report.step(f"compile for {target.name}"):
             lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
@@ -236,6 +237,14 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                 info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
         (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return out, info
+
+
+def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:
+    """The biggest single tensor the device must allocate, against the target's max single allocation."""
+    name, param = max(defined.params, key=lambda kv: _nbytes(kv[1]))
+    limit = (target.capabilities or {}).get("max_buffer_bytes")
+    return {"name": name, "bytes": _nbytes(param), "max_buffer_bytes": limit,
+            "fits": None if not limit else _nbytes(param) <= int(limit)}
 
 
 def _verify_mode(target: TargetSpec, verify: bool | None, defined: Defined) -> str | bool:

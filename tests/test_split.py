@@ -76,7 +76,11 @@ def test_split_build_gives_the_same_logits(tmp_path, small_alloc_target, quant, 
     mem = json.loads((split / "reports" / "memory.json").read_text())
     assert {s["group"]: s["parts"] for s in mem["splits"]} == {g: parts for g in (
         ["embedding"] if tied else ["embedding", "lm_head"])}
-    assert "Split: split embed_tokens" in (split / "reports" / "coverage.md").read_text()
+    md = (split / "reports" / "coverage.md").read_text()
+    assert "Split: split embed_tokens" in md
+    big = cov["largest_parameter"]
+    assert big["max_buffer_bytes"] == LIMIT and big["fits"] == (quant == "q4f16")   # q8 MLP codes are 64 KiB
+    assert ("fits the max single allocation" if big["fits"] else "EXCEEDS the max single allocation") in md
     assert "Split embedding" in (split / "reports" / "memory.md").read_text()
 
 
