@@ -69,6 +69,12 @@ def apply(mod: tvm.IRModule, unscheduled: dict[str, tirx.PrimFunc], records: lis
         else:
             out.append(r)
     if pinned and target.is_gpu:
+        library = [r for r in records if r.name in pinned and r.rule == "library"]
+        if library:
+            r = library[0]
+            raise ConfigError(f"{r.name} (op class {classify(r.name, mod[r.name])}) is a TVM library kernel that "
+                              f"the runtime drives on the GPU; it cannot be pinned to the CPU on {target.name}",
+                              fix="leave that op class out of --force-cpu / force_cpu")
         mod = _to_host(mod, unscheduled, pinned, target.tvm())
     return mod, out
 

@@ -148,3 +148,14 @@ def _norm_func():
     sq = te.compute((1,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name="sq")
     y = te.compute((1, 64), lambda i, j: x[i, j] * te.rsqrt(sq[i] / 64.0) * wt[j], name="y")
     return te.create_prim_func([x, wt, y])
+
+
+def test_runtime_driven_kernels_cannot_be_pinned_on_gpu():
+    """Paged-KV attention runs inside the runtime's KV cache on GPU buffers: pinning it is a one-line error."""
+    from pipeline.config import load_target
+    from pipeline.tune import KernelSchedule
+
+    rec = [KernelSchedule("batch_decode_paged_kv", "library", True)]
+    mod = tvm.IRModule({"batch_decode_paged_kv": _norm_func()})
+    with pytest.raises(ConfigError, match="batch_decode_paged_kv .*library kernel.*cannot be pinned"):
+        force_cpu.apply(mod, {}, rec, {"attention": "by option --force-cpu"}, load_target("android-adreno"))
