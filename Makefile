@@ -9,6 +9,7 @@ TARGET  ?= android-adreno
 QUANT   ?= q4f16
 OUT     ?= dist
 PHONE   ?=
+FORCE_CPU ?=
 PROMPT  ?= What is the capital of France?
 RUN_TARGET ?= host-cpu
 RUN_QUANT  ?= q4f16
@@ -50,7 +51,7 @@ system-deps:
 	fi
 
 build: $(STAMP)
-	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE))
+	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE)) $(if $(FORCE_CPU),--force-cpu $(FORCE_CPU))
 
 run: $(STAMP)
 	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT)

@@ -15,7 +15,7 @@ def _build(args) -> int:
 
     report = Reporter()
     result = run_pipeline(args.model, args.target, args.quant, weights=args.weights, out=args.out,
-                          report=report, phone=args.phone)
+                          report=report, phone=args.phone, force_cpu=args.force_cpu, verify=args.verify)
     how = "cache hit, nothing rebuilt" if result.cached else "built"
     report.console.print(f"[bold]{result.bundle}[/] — {how} in {result.seconds:.1f} s"
                          + ("" if result.has_weights else " (no weights given: library + configs only)"))
@@ -50,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", default=None, help="weights folder/file (overrides the model config's)")
     b.add_argument("--out", default="dist", help="output root (default: dist)")
     b.add_argument("--phone", default=None, help="a phone from configs/phones.yaml (memory plan, --quant auto)")
+    b.add_argument("--force-cpu", default=None, metavar="CLASSES",
+                   help="comma-separated op classes pinned to the CPU (e.g. rmsnorm,elementwise)")
+    b.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the GPU kernels on PoCL vs LLVM during the build (default: the target's "
+                        "verify_kernels; on for android-adreno)")
     b.set_defaults(func=_build)
     r = sub.add_parser("run", help="chat with a host-cpu bundle on this computer")
     r.add_argument("bundle")

@@ -60,6 +60,8 @@ class TargetSpec:
     capabilities: dict[str, Any] = field(default_factory=dict)
     phone: dict[str, Any] = field(default_factory=dict)
     npu: dict[str, Any] = field(default_factory=dict)   # second library for an NPU (see pipeline/hexagon.py)
+    force_cpu: tuple[str, ...] = ()   # op classes pinned to the CPU (see pipeline/force_cpu.py)
+    verify_kernels: str | None = None   # "pocl": run the build's kernels on PoCL (see pipeline/execution.py)
     path: Path | None = None
 
     def tvm(self):
@@ -158,6 +160,10 @@ def load_target(name: str) -> TargetSpec:
     data = _read_yaml(path)
     try:
         data["schedule_rules"] = tuple(data.get("schedule_rules") or ())
+        if "force_cpu" in data:
+            from .force_cpu import parse_classes
+
+            data["force_cpu"] = parse_classes(data["force_cpu"], "force_cpu", path=path)
         spec = TargetSpec(path=path, **data)
     except TypeError as err:
         raise ConfigError(f"bad target file ({err})", path=path, fix="compare with targets/host-cpu.yaml") from None

@@ -252,11 +252,16 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
     dtypes = {name: str(p.dtype) for name, p in params}
     pending: dict[str, np.ndarray] = {}
     packed = scale = None
+    parts = _split_parts(params, layout)
     for i, (name, p) in enumerate(params):
         if i < start:
             continue
         shape = shapes[name]
-        if name in pending:
+        if name in parts:
+            arr = _next_part(ckpt, name, parts, pending, dtypes, layout, tied, block_bytes)
+            if on_bytes:
+                on_bytes(arr.nbytes)
+        elif name in pending:
             arr = pending.pop(name)
             if on_bytes:
                 on_bytes(arr.nbytes)
@@ -285,3 +290,50 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
             on_tensor(name, arr.nbytes)
         yield name, arr
         arr = packed = scale = None   # hold no finished output while converting the next tensor
+
+
+# ------------------------------------------------------------------------------------ split tensors
+def _split_parts(params: list[tuple[str, Any]], layout: str) -> dict[str, tuple[str, int, int, int]]:
+    """{part name: (whole name, axis, start, stop)} for parameters split for the device's largest single
+    allocation (models/split.py): `lm_head.q_weight.1` is rows [start, stop) of `lm_head.q_weight` along
+    the vocab axis (axis 1 of KN codes and scales, axis 0 otherwise)."""
+    out: dict[str, tuple[str, int, int, int]] = {}
+    offsets: dict[str, int] = {}
+    names = {n for n, _ in params}
+    for name, p in params:
+        whole, _, idx = name.rpartition(".")
+        if not idx.isdigit() or not whole.endswith((".q_weight", ".q_scale", ".weight")) or whole in names:
+            continue
+        quantized = whole.endswith(QUANT_SUFFIXES) and not whole.rsplit(".", 1)[0].endswith("embed_tokens")
+        axis = 1 if quantized and layout == "KN" else 0
+        start = offsets.get(whole, 0)
+        stop = start + int(p.shape[axis])
+        out[name] = (whole, axis, start, stop)
+        offsets[whole] = stop
+    return out
+
+
+def _next_part(ckpt: Any, name: str, parts: dict[str, tuple[str, int, int, int]], pending: dict[str, np.ndarray],
+               dtypes: dict[str, str], layout: str, tied: bool, block_bytes: int) -> np.ndarray:
+    """One part of a split tensor: the whole tensor is converted once (as if unsplit, so the values are
+    bit-identical) and kept until its last part is taken."""
+    whole, axis, start, stop = parts[name]
+    if whole not in pending:
+        total = max(p[3] for p in parts.values() if p[0] == whole)
+        if whole.endswith(QUANT_SUFFIXES):
+            base = whole.rsplit(".", 1)[0]
+            tensor_layout = "NK" if base.endswith("embed_tokens") else layout
+            bits = 8 if dtypes.get(base + ".q_weight.0") == "int8" else 4
+            codes, scale = _convert_q4(ckpt, whole, _source_names(ckpt, whole, tied), tensor_layout, {},
+                                       block_bytes, None, bits=bits)
+            pending[base + ".q_weight"], pending[base + ".q_scale"] = codes, scale
+        else:
+            names = _source_names(ckpt, whole, tied)
+            shape = _source_shape(ckpt, whole, names)
+            pending[whole] = _convert_float(ckpt, whole, names, dtypes[name], (total, *shape[1:]),
+                                            block_bytes, None)
+    arr = pending[whole]
+    part = np.ascontiguousarray(arr[start:stop] if axis == 0 else arr[:, start:stop])
+    if stop == arr.shape[axis]:
+        del pending[whole]
+    return part

@@ -285,6 +285,85 @@ def relax_callers(mod: tvm.IRModule) -> tuple[dict[str, dict[str, int]], dict[st
     return {k: dict(v) for k, v in calls.items()}, dict(attention)
 
 
+# ------------------------------------------------------------------------------ module of origin
+def module_of_param(name: str) -> str:
+    """`model.layers.3.mlp.down_proj.q_weight` -> `layers.*.mlp.down_proj`; split parts (`lm_head.q_weight.0`)
+    fold into their module."""
+    name = re.sub(r"\.\d+$", "", name)                  # part index of a split parameter
+    name = name.rsplit(".", 1)[0] if "." in name else name   # the attribute: weight, q_weight, A_log, ...
+    name = name[len("model."):] if name.startswith("model.") else name
+    return re.sub(r"(^|\.)layers\.\d+(?=\.|$)", r"\1layers.*", name)
+
+
+def _common_module(mods: set[str]) -> str:
+    parts = [m.split(".") for m in sorted(mods)]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or "model"
+
+
+def kernel_modules(mod: tvm.IRModule, param_names: list[str]) -> dict[str, list[str]]:
+    """{kernel (or KV-dispatch prefix): model modules it runs for}, from the parameters each call reads.
+
+    A call that reads weights belongs to their module (`layers.*.mlp.down_proj`); one that reads none
+    (activation, reshape, residual add, KV-cache attention) to the common prefix of the modules of the
+    weight-reading calls just before and after it (`layers.*.mlp`, `layers.*.self_attn`, `layers.*`).
+    """
+    call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
+    to_vdevice = tvm.ir.Op.get("relax.to_vdevice")
+    found: dict[str, set[str]] = defaultdict(set)
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr) or not func.params:
+            continue
+        packed = func.params[-1]
+        param_module: dict[Any, str] = {}
+        calls: list[tuple[list[str], set[str]]] = []
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                value = getattr(binding, "value", None)
+                if isinstance(value, relax.TupleGetItem) and value.tuple_value.same_as(packed):
+                    if value.index < len(param_names):
+                        param_module[binding.var] = module_of_param(param_names[value.index])
+                    continue
+                if not isinstance(value, relax.Call):
+                    continue
+                if value.op.same_as(to_vdevice) and value.args[0] in param_module:   # forced-CPU weight copy
+                    param_module[binding.var] = param_module[value.args[0]]
+                    continue
+                if any(value.op.same_as(op) for op in call_tir_ops) and isinstance(value.args[0], tvm.ir.GlobalVar):
+                    kernels, args = [value.args[0].name_hint], list(value.args[1].fields)
+                elif any(isinstance(a, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(a.global_symbol)
+                         for a in [value.op, *value.args]):
+                    kernels, args = list(_KV_DISPATCH.get(gv.name_hint, ())), list(value.args)
+                else:
+                    continue
+                mods = {param_module[a] for a in args if a in param_module}
+                if gv.name_hint != "embed" and mods == {"embed_tokens"}:
+                    mods = {"lm_head (tied to embed_tokens)"}   # the tied output projection reads the table
+                calls.append((kernels, mods))
+        for i, (kernels, mods) in enumerate(calls):
+            if not mods:
+                prev = next((m for _, m in reversed(calls[:i]) if m), set())
+                nxt = next((m for _, m in calls[i + 1:] if m), set())
+                common = _common_module(prev | nxt) if prev | nxt else ""
+                if common == "model" and all(m.startswith("layers.*") for m in prev):
+                    common = "layers.*"           # the residual add closing the last layer
+                mods = {common} if common else set()
+            for k in kernels:
+                found[k] |= mods
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def _module_for(name: str, cls: str, modules: dict[str, list[str]]) -> str:
+    mods = modules.get(name) or next((v for k, v in modules.items() if name in (k, f"{k}_cpu")), None)
+    if mods:
+        return ", ".join(mods)
+    return "paged KV cache (runtime)" if cls in ("kv-cache", "attention") else "-"
+
+
 def _placement(record: Any, target: Any) -> str:
     if getattr(target, "npu", None):
         return "NPU" if record is not None and record.on_device else "CPU"
@@ -296,7 +375,8 @@ def _placement(record: Any, target: Any) -> str:
 
 # ------------------------------------------------------------------------------------ report
 def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_len: int = 1,
-                    prefill_chunk: int = 256, context_len: int | None = None) -> dict[str, Any]:
+                    prefill_chunk: int = 256, context_len: int | None = None,
+                    param_names: list[str] | None = None) -> dict[str, Any]:
     """Per-kernel rows and a summary for a fused + scheduled module (see the module docstring).
 
     context_len: tokens already in the KV cache; when given, the attention and KV-append kernels the paged
@@ -304,6 +384,7 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
     """
     by_name = {r.name: r for r in records}
     callers, attention_calls = relax_callers(mod)
+    modules = kernel_modules(mod, list(param_names or []))
     phases = {"decode_step": (DECODE_FUNCS, {"seq_len": seq_len}),
               "prefill_chunk": (PREFILL_FUNCS, {"seq_len": prefill_chunk})}
     rows = []
@@ -318,7 +399,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
         indirect = {f: n for f, n in attention_calls.items()
                     if any(name in (k, f"{k}_cpu") for k in _KV_DISPATCH.get(f, ()))}
         row: dict[str, Any] = {
-            "name": name, "op_class": cls, "placement": _placement(record, target),
+            "name": name, "op_class": cls, "module": _module_for(name, cls, modules),
+            "placement": _placement(record, target),
             "rule": record.rule if record else "unrecorded",
             "callers": direct, "kv_cache_calls": indirect, "params": _params(func)}
         if record is not None and getattr(record, "reason", ""):
@@ -335,17 +417,28 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
         rows.append(row)
     report = {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
               "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
-    if getattr(target, "npu", None):
-        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len})
+    accel = _accelerator(target)
+    if getattr(target, "npu", None) or (accel == "GPU" and any(r["placement"] == "CPU" for r in rows)):
+        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len}, accel)
     return report
 
 
-def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]) -> dict[str, Any]:
-    """CPU<->NPU hand-overs in one decode step. `decode`'s kernel calls are walked in binding order
-    (KV-cache attention, dispatched by the runtime, runs on the CPU); each change of unit between
+def _accelerator(target: Any) -> str:
+    return "NPU" if getattr(target, "npu", None) else "GPU" if target.device == "gpu" else "CPU"
+
+
+def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int],
+              accelerator: str = "NPU") -> dict[str, Any]:
+    """CPU<->accelerator (NPU or GPU) hand-overs in one decode step. `decode`'s kernel calls are walked in
+    binding order (KV-cache attention, dispatched by the runtime, runs on the CPU beside an NPU and on the
+    GPU of a GPU target); each change of unit between
     consecutive calls is a crossing, and the bytes moved are the tensors a call reads that a call on
-    the other unit produced (activations; weights and states stay where they live)."""
+    the other unit produced (activations; weights and states stay where they live) plus every explicit
+    device copy (`to_vdevice`) the graph makes around GPU-target kernels pinned to the CPU, which also
+    copy the weights those kernels read (the packed parameters live on the GPU)."""
     placement = {r["name"]: r["placement"] for r in rows}
+    to_vdevice = tvm.ir.Op.get("relax.to_vdevice")
+    attention_unit = "CPU" if accelerator == "NPU" else accelerator   # paged-KV kernels: GPU ones on a GPU
     call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
     decode = next((f for gv, f in mod.functions_items()
                    if gv.name_hint == "decode" and isinstance(f, relax.Function)), None)
@@ -358,7 +451,7 @@ def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]
             return placement.get(call.args[0].name_hint, "CPU")
         if any(isinstance(a, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(a.global_symbol)
                for a in [call.op, *call.args]):
-            return "CPU"
+            return attention_unit
         return None
 
     def tensor_vars(expr: Any) -> list[Any]:
@@ -387,6 +480,9 @@ def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]
                 continue
             if not isinstance(value, relax.Call):
                 continue
+            if value.op.same_as(to_vdevice):   # forced-CPU kernels: a device copy, activations and weights alike
+                moved += var_bytes(value.args[0])
+                continue
             unit = unit_of(value)
             if unit is None:
                 continue
@@ -395,9 +491,12 @@ def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]
             producer[binding.var] = unit
             units.append(unit)
     n = sum(1 for a, b in zip(units, units[1:], strict=False) if a != b)
-    return {"decode_calls": len(units), "npu_calls": units.count("NPU"), "crossings_per_token": n,
+    return {"decode_calls": len(units), "npu_calls": units.count("NPU"), "accelerator": accelerator,
+            "accelerator_calls": units.count(accelerator), "crossings_per_token": n,
             "bytes_moved_per_token": moved,
-            "note": "estimate: tensors one unit reads that the other produced; weights and states not moved"}
+            "note": "estimate: tensors one unit reads that the other produced; weights and states not moved"
+            if accelerator == "NPU" else "explicit device copies of the CPU-pinned kernels' inputs (weights "
+            "included) and outputs"}
 
 
 def _pct(part: float, total: float) -> float:
@@ -486,18 +585,36 @@ def to_markdown(report: dict[str, Any]) -> str:
                   f"({ph['bandwidth_gbs']} GB/s x {EFFECTIVE_BANDWIDTH}; {ph['note']})."]
     if "crossings" in s:
         c = s["crossings"]
-        lines += ["", f"CPU<->NPU crossings per decoded token: {c['crossings_per_token']} "
-                  f"({c['npu_calls']} of {c['decode_calls']} decode kernel calls on the NPU), moving about "
+        acc = c.get("accelerator", "NPU")
+        lines += ["", f"CPU<->{acc} crossings per decoded token: {c['crossings_per_token']} "
+                  f"({c.get('accelerator_calls', c['npu_calls'])} of {c['decode_calls']} decode kernel calls on "
+                  f"the {acc}), moving about "
                   f"{_fmt_bytes(c['bytes_moved_per_token'])} per token ({c['note']})."]
-    acc = "NPU" if "crossings" in s else "GPU"
+    if "execution" in s:
+        e = s["execution"]
+        lines += ["", f"Executed here: {e['executed']} of {s['kernels']} kernels ({e['how']}); "
+                  f"{e['not_executed']} compiled, not executed (reason per kernel below)."
+                  + (f" MISMATCH vs LLVM: {', '.join(e['mismatched'])}." if e["mismatched"] else "")]
+    big = report.get("largest_parameter")
+    if big and big.get("max_buffer_bytes"):
+        lines += ["", f"Largest single tensor: `{big['name']}`, {_fmt_bytes(big['bytes'])} "
+                  f"({'fits' if big['fits'] else 'EXCEEDS'} the max single allocation of "
+                  f"{_fmt_bytes(big['max_buffer_bytes'])})."]
+    for sp in report.get("splits") or []:
+        lines += ["", f"Split: {sp['message']}; rows per part {sp['rows']}."]
+    acc = s.get("crossings", {}).get("accelerator", "GPU")
     lines += ["", "## Op classes", "", f"| op class | kernels | {acc} | CPU | decode calls | decode bytes | decode FLOPs |",
               "|---|---|---|---|---|---|---|"]
     for cls, c in list(s["op_classes"].items()) + [("**Total**", s["op_classes_total"])]:
         lines.append(f"| {cls} | {c['kernels']} | {c['gpu']} | {c['cpu']} | {c['decode_calls']} "
                      f"| {_fmt_bytes(c['decode_bytes'])} | {_fmt_num(c['decode_flops'])} |")
     lines += ["", "## Kernels", "",
-              "| kernel | op class | placement | rule | callers | decode calls | decode bytes | decode FLOPs "
-              "| prefill calls | prefill bytes |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| kernel | op class | module | placement | rule | callers | decode calls | decode bytes | decode FLOPs "
+              "| prefill calls | prefill bytes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    executed = any("executed" in r for r in report["kernels"])
+    if executed:
+        lines[-2] += " executed here |"
+        lines[-1] += "---|"
     reasons = any("reason" in r for r in report["kernels"])
     if reasons:
         lines[-2] += " reason |"
@@ -506,9 +623,11 @@ def to_markdown(report: dict[str, Any]) -> str:
         who = {**r["callers"], **{f"{k} (kv-cache)": v for k, v in r["kv_cache_calls"].items()}}
         callers = ", ".join(f"{k}×{v}" for k, v in sorted(who.items())) or "-"
         d, p = r["decode_step"], r["prefill_chunk"]
-        lines.append(f"| `{r['name']}` | {r['op_class']} | {r['placement']} | {r['rule']} | {callers} "
-                     f"| {d['calls']} | {_fmt_bytes(d['bytes'])} | {_fmt_num(d['flops'])} "
-                     f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |" + (f" {r.get('reason', '')} |" if reasons else ""))
+        lines.append(f"| `{r['name']}` | {r['op_class']} | {r.get('module', '-')} | {r['placement']} | {r['rule']} "
+                     f"| {callers} | {d['calls']} | {_fmt_bytes(d['bytes'])} | {_fmt_num(d['flops'])} "
+                     f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |"
+                     + (f" {r.get('executed', '')} |" if executed else "")
+                     + (f" {r.get('reason', '')} |" if reasons else ""))
     return "\n".join(lines) + "\n"
 
 

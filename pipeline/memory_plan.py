@@ -126,6 +126,39 @@ def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
     return n * 2, "float16"
 
 
+def split_rows(rows: int, row_bytes: int, limit: int | None) -> list[int]:
+    """Rows per part so that no part of a [rows, ...] tensor exceeds `limit` bytes (a device's largest
+    single allocation), as even as possible; [rows] when it fits. models/split.py splits the same way."""
+    if not limit or rows * row_bytes <= limit:
+        return [rows]
+    if row_bytes > limit:
+        raise ValueError(f"one row ({row_bytes} bytes) exceeds the max single allocation of {limit} bytes")
+    parts = math.ceil(rows / (limit // row_bytes))
+    size = math.ceil(rows / parts)
+    return [size] * (parts - 1) + [rows - size * (parts - 1)]
+
+
+def _largest_row_bytes(cols: int, mode: str) -> int:
+    """Bytes per row of a tensor's largest stored array (the codes, or the float weight) under `mode`."""
+    return {"q0f32": 4 * cols, "q0f16": 2 * cols, "q8f16": cols}.get(mode, cols // 2)
+
+
+def _splits(cfg: dict, quant: str, group_modes: dict[str, str] | None, limit: int | None) -> list[dict]:
+    """Vocab tables over the largest single allocation and the parts they are stored in."""
+    out = []
+    for group, shape, _ in _tensors(cfg):
+        if group not in ("embedding", "lm_head"):
+            continue
+        mode = (group_modes or {}).get(group, quant)
+        row = _largest_row_bytes(shape[1], mode)
+        rows = split_rows(shape[0], row, limit)
+        if len(rows) > 1:
+            out.append({"group": group, "parts": len(rows), "rows": rows, "largest_tensor_bytes": shape[0] * row,
+                        "max_buffer_bytes": limit,
+                        "reason": f"max single allocation {limit} bytes (target capabilities.max_buffer_bytes)"})
+    return out
+
+
 def _layer_types(cfg: dict) -> list[str]:
     n_layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
@@ -286,6 +319,7 @@ def memory_plan(
     prefill_chunk: int = 512,
     phone: dict | None = None,
     group_modes: dict[str, str] | None = None,
+    max_buffer_bytes: int | None = None,
 ) -> dict:
     """Memory / bandwidth plan of ``hf_config`` under ``quant``; see the module docstring for the model."""
     if quant not in QUANT_MODES:
@@ -358,6 +392,7 @@ def memory_plan(
         "prefill_chunk": prefill_chunk,
         "layers": {"total": len(types), "full_attention": n_full, "linear_attention": n_lin},
         "weights": groups,
+        "splits": _splits(cfg, quant, group_modes, max_buffer_bytes),
         "weights_total": {"params": total_params, "bytes": total_bytes},
         "weights_read_per_token": {"params": read_params, "bytes": read_bytes},
         "kv_cache": {
@@ -429,6 +464,9 @@ def plan_markdown(plan: dict) -> str:
     out += [
         f"| **total** | **{_fmt_params(wt['params'])}** | **{_fmt_bytes(wt['bytes'])}** | |",
         f"| read per decoded token | {_fmt_params(wr['params'])} | {_fmt_bytes(wr['bytes'])} | |",
+        *[line for sp in plan.get("splits", []) for line in (
+            "", f"Split {sp['group']} ({_fmt_bytes(sp['largest_tensor_bytes'])} in its largest array) into "
+                f"{sp['parts']} parts of {', '.join(str(r) for r in sp['rows'])} rows (reason: {sp['reason']}).")],
         "",
         "## Fixed-size state and activations",
         "",

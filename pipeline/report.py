@@ -111,6 +111,9 @@ def summarize(cov: dict[str, Any], source: str = "") -> dict[str, Any]:
         k: sum(c.get(k, 0) for c in s["op_classes"].values()) for k in CLASS_KEYS}
     if "phone" in s:
         out["phone"] = s["phone"]
+    if "execution" in s:
+        out["execution"] = s["execution"]
+    out["splits"] = [sp.get("message", "") for sp in cov.get("splits") or []]
     return out
 
 
@@ -234,6 +237,11 @@ def summary_text(summary: dict[str, Any]) -> str:
         ph = s["phone"]
         out += ["", f"estimated decode step on {ph.get('name')}: {ph.get('decode_step_ms')} ms "
                 f"({ph.get('note', '')})"]
+    if "execution" in s:
+        e = s["execution"]
+        out += ["", f"executed here: {e['executed']} kernels ({e['how']}); compiled, not executed: "
+                f"{e['not_executed']}" + (f"; MISMATCH: {', '.join(e['mismatched'])}" if e["mismatched"] else "")]
+    out += [f"{m}" for m in s.get("splits", [])]
     out += [""]
     rows = [[cls, c.get("kernels", 0), c.get("gpu", 0), c.get("cpu", 0), c.get("decode_calls", 0),
              fmt_bytes(c.get("decode_bytes", 0)), fmt_num(c.get("decode_flops", 0))]

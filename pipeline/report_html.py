@@ -113,6 +113,8 @@ def _page_model(cov: dict[str, Any], memory: dict[str, Any] | None) -> dict[str,
         who = {**r.get("callers", {}), **{f"{k} (kv-cache)": v for k, v in r.get("kv_cache_calls", {}).items()}}
         d, p = r.get("decode_step") or {}, r.get("prefill_chunk") or {}
         kernels.append({"name": r["name"], "op_class": r["op_class"], "placement": r["placement"],
+                        "module": r.get("module", "-"), "executed": r.get("executed", ""),
+                        "reason": r.get("reason", ""),
                         "rule": r.get("rule", ""), "callers": ", ".join(f"{k}×{v}" for k, v in sorted(who.items())) or "-",
                         "d_calls": d.get("calls", 0), "d_bytes": d.get("bytes"), "d_flops": d.get("flops"),
                         "p_calls": p.get("calls", 0), "p_bytes": p.get("bytes"), "p_flops": p.get("flops")})
@@ -189,6 +191,10 @@ _TEMPLATE = """<!DOCTYPE html>
 <div class="card"><dt>kernels</dt><dd id="kernels">{{ s.kernels }}</dd></div>
 <div class="card"><dt>on accelerator</dt><dd class="acc" id="kernels-accelerator">{{ s.kernels_on_accelerator }}</dd></div>
 <div class="card"><dt>on CPU</dt><dd class="cpu" id="kernels-cpu">{{ s.kernels_on_cpu }}</dd></div>
+{%- if s.get("execution") %}
+<div class="card"><dt>executed here</dt><dd id="kernels-executed">{{ s.execution.executed }}</dd></div>
+<div class="card"><dt>compiled, not executed</dt><dd id="kernels-not-executed">{{ s.execution.not_executed }}</dd></div>
+{%- endif %}
 {%- for ph in phases %}
 <div class="card"><dt>{{ ph.name }} FLOPs on accelerator</dt><dd>{{ ph.acc.flops_pct }}% <small>{{ num(ph.acc.flops) }}</small></dd></div>
 <div class="card"><dt>{{ ph.name }} bytes on accelerator</dt><dd>{{ ph.acc.bytes_pct }}% <small>{{ bytes(ph.acc.bytes) }}</small></dd></div>
@@ -210,6 +216,16 @@ _TEMPLATE = """<!DOCTYPE html>
 {%- if phone.decode_tok_s_upper_bound %} (at most {{ phone.decode_tok_s_upper_bound }} tok/s){% endif %};
 {{ phone.bandwidth_gbs }} GB/s peak, {{ phone.effective_bandwidth_gbs }} GB/s sustained<span class="note"> — {{ phone.note }}</span>.</p>
 {%- endif %}
+{%- if s.get("execution") %}
+<p class="note" id="execution">Executed here: {{ s.execution.executed }} of {{ s.kernels }} kernels ({{ s.execution.how }}); {{ s.execution.not_executed }} compiled, not executed.
+{%- if s.execution.mismatched %} <b>MISMATCH vs LLVM: {{ s.execution.mismatched | join(", ") }}</b>{% endif %}</p>
+{%- endif %}
+{%- if cov.summary.get("crossings") %}
+<p class="note" id="crossings">CPU&lt;-&gt;{{ cov.summary.crossings.get("accelerator", "NPU") }} crossings per decoded token: {{ cov.summary.crossings.crossings_per_token }}, moving about {{ bytes(cov.summary.crossings.bytes_moved_per_token) }} per token ({{ cov.summary.crossings.note }}).</p>
+{%- endif %}
+{%- for m in s.get("splits", []) %}
+<p class="note split">{{ m }}</p>
+{%- endfor %}
 <h2>Placement shares</h2>
 {{ share_chart }}
 <h2>Op classes</h2>
@@ -226,10 +242,10 @@ _TEMPLATE = """<!DOCTYPE html>
 {{ class_chart }}
 <h2>Kernels</h2>
 <div class="wide"><table id="kernels-table">
-<thead><tr><th>kernel</th><th class="t">op class</th><th class="t">placement</th><th class="t">rule</th><th class="t">callers</th><th>decode calls</th><th>decode bytes</th><th>decode FLOPs</th><th>prefill calls</th><th>prefill bytes</th><th>prefill FLOPs</th></tr></thead>
+<thead><tr><th>kernel</th><th class="t">op class</th><th class="t">module</th><th class="t">placement</th><th class="t">rule</th><th class="t">callers</th><th>decode calls</th><th>decode bytes</th><th>decode FLOPs</th><th>prefill calls</th><th>prefill bytes</th><th>prefill FLOPs</th><th class="t">executed here</th><th class="t">reason</th></tr></thead>
 <tbody>
 {%- for k in kernels %}
-<tr><td><code>{{ k.name }}</code></td><td class="t">{{ k.op_class }}</td><td class="t {{ 'cpu' if k.placement == 'CPU' else 'acc' }}">{{ k.placement }}</td><td class="t">{{ k.rule }}</td><td class="t">{{ k.callers }}</td><td>{{ k.d_calls }}</td><td>{{ bytes(k.d_bytes) }}</td><td>{{ num(k.d_flops) }}</td><td>{{ k.p_calls }}</td><td>{{ bytes(k.p_bytes) }}</td><td>{{ num(k.p_flops) }}</td></tr>
+<tr><td><code>{{ k.name }}</code></td><td class="t">{{ k.op_class }}</td><td class="t">{{ k.module }}</td><td class="t {{ 'cpu' if k.placement == 'CPU' else 'acc' }}">{{ k.placement }}</td><td class="t">{{ k.rule }}</td><td class="t">{{ k.callers }}</td><td>{{ k.d_calls }}</td><td>{{ bytes(k.d_bytes) }}</td><td>{{ num(k.d_flops) }}</td><td>{{ k.p_calls }}</td><td>{{ bytes(k.p_bytes) }}</td><td>{{ num(k.p_flops) }}</td><td class="t">{{ k.executed }}</td><td class="t">{{ k.reason }}</td></tr>
 {%- endfor %}
 </tbody>
 </table></div>

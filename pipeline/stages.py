@@ -87,20 +87,41 @@ class Defined:
     mod: Any                          # exported Relax IRModule
     layout: str
     activation_dtype: str
+    splits: list[dict[str, Any]] = field(default_factory=list)   # tensors split for max_buffer_bytes
 
 
-def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec) -> Defined:
+def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporter | None = None) -> Defined:
+    """The model in the scheme's storage; vocab tables over the target's `capabilities.max_buffer_bytes`
+    come in parts (models/split.py)."""
     from .models import model_class
-    from .models.layers import LayerFactory
+    from .models.split import SplitFactory
 
     layout = quant.layout_for(target)
     act = quant.activation_dtype(target)
-    factory = LayerFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
+    limit = (target.capabilities or {}).get("max_buffer_bytes")
+    factory = SplitFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
                            layout=layout, formats=dict(quant.formats), rotation=quant.rotation,
-                           ternary_source=quant.ternary_source)
+                           ternary_source=quant.ternary_source,
+                           max_buffer_bytes=int(limit) if limit else None)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
-    return Defined(module, params, mod, layout, act)
+    too_big = [n for n, p in params if limit and _nbytes(p) > int(limit)]
+    if too_big and report is not None:
+        report.info(f"[yellow]warning:[/] {', '.join(too_big[:3])} exceed {target.name}'s max single allocation "
+                    f"({limit} bytes) and are not vocab tables, which alone are split")
+    for sp in factory.splits:
+        size = f"{sp['bytes'] / 2**30:.2f} GiB" if sp["bytes"] >= 2**28 else f"{sp['bytes']} bytes"
+        sp["message"] = (f"split {sp['role']} ({size}) into {sp['parts']} parts "
+                         f"(reason: max single allocation {sp['max_buffer_bytes']} bytes on {target.name})")
+        if report is not None:
+            report.info(sp["message"])
+    return Defined(module, params, mod, layout, act, factory.splits)
+
+
+def _nbytes(param: Any) -> int:
+    import numpy as np
+
+    return int(np.prod([int(d) for d in param.shape])) * np.dtype(str(param.dtype)).itemsize
 
 
 def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporter) -> Path | None:
@@ -182,8 +203,12 @@ def tune(mod: Any, target: TargetSpec):
 
 
 def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec,
-          report: Reporter) -> tuple[Path, dict[str, Any]]:
-    """fuse + tune + compile, cached by a key over everything the library depends on."""
+          report: Reporter, force_cpu: str | None = None, verify: bool | None = None) -> tuple[Path, dict[str, Any]]:
+    """fuse + tune + compile, cached by a key over everything the library depends on.
+
+    `force_cpu`: comma-separated op classes pinned to the CPU on top of the target's `force_cpu`.
+    `verify`: run the kernels on PoCL (None: the target's `verify_kernels`)."""
+    from . import force_cpu as forcing
     from .bundle import atomic_dir
     from .compile import attach_metadata, build_library
 
@@ -191,10 +216,13 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     meta["activation_dtype"] = defined.activation_dtype
     meta["weight_layout"] = defined.layout
     tvm_target = target.tvm()
+    forced = forcing.reasons(target, force_cpu)
+    verify = _verify_mode(target, verify, defined)
     key = _digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
-                   "meta": meta, **({"rotation": quant.rotation} if quant.rotation else {})})
+                   "meta": meta, "force_cpu": forced, "verify": verify,
+                   **({"rotation": quant.rotation} if quant.rotation else {})})
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")
@@ -203,15 +231,24 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     with atomic_dir(out) as tmp:
         with report.step("fuse"):
             mod = fuse(defined, target)
+        unscheduled = {gv.name_hint: f for gv, f in mod.functions_items()}
         with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
             mod, schedules = tune(mod, target)
         if target.npu:
             from .hexagon import partition
 
             schedules = partition(mod, schedules, target.npu, loaded.decoder.vocab_size)
+        mod, schedules = forcing.apply(mod, unscheduled, schedules, forced, target)
+        if forced:
+            n = sum(1 for s in schedules if s.rule == "forced-cpu")
+            report.info(f"force_cpu: {n} kernel(s) of {', '.join(forced)} pinned to the CPU")
         from .coverage import coverage_report, write_coverage
 
-        coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size)
+        coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size,
+                                   param_names=[n for n, _ in defined.params])
+        _record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
+        coverage["splits"] = list(defined.splits)
+        coverage["largest_parameter"] = _largest_parameter(defined, target)
         write_coverage(coverage, tmp)
         with report.step(f"compile for {target.name}"):
             lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
@@ -227,6 +264,47 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                 info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
         (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return out, info
+
+
+def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:
+    """The biggest single tensor the device must allocate, against the target's max single allocation."""
+    name, param = max(defined.params, key=lambda kv: _nbytes(kv[1]))
+    limit = (target.capabilities or {}).get("max_buffer_bytes")
+    return {"name": name, "bytes": _nbytes(param), "max_buffer_bytes": limit,
+            "fits": None if not limit else _nbytes(param) <= int(limit)}
+
+
+def _verify_mode(target: TargetSpec, verify: bool | None, defined: Defined) -> str | bool:
+    """Whether and how the build runs its kernels (part of the cache key: the report says what ran)."""
+    from .execution import AUTO_VERIFY_MAX_BYTES
+
+    if verify is None:
+        verify = bool(target.verify_kernels)
+        if verify and sum(_nbytes(p) for _, p in defined.params) > AUTO_VERIFY_MAX_BYTES:
+            return "too-big"
+    if not verify or not target.is_gpu:
+        return bool(verify)
+    from . import verify_opencl
+
+    return "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
+
+
+def _record_execution(coverage: dict[str, Any], mod: Any, loaded: Loaded, quant: QuantSpec, target: TargetSpec,
+                      schedules: list[Any], verify: Any, report: Reporter) -> None:
+    """The coverage report's "executed here" column, from actual runs (see execution.py)."""
+    from . import verify_opencl
+    from .execution import annotate, twin_module, verdicts
+
+    twin = None
+    if verify == "pocl" and verify_opencl.find_opencl_device() is not None:
+        with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
+            twin = twin_module(loaded, quant, target)
+            verdict, summary = verdicts(target, schedules, verify, twin, mod)
+    else:
+        verdict, summary = verdicts(target, schedules, verify)
+    annotate(coverage, verdict, summary)
+    if summary["mismatched"]:
+        report.info(f"[yellow]warning:[/] kernels differ from LLVM on PoCL: {', '.join(summary['mismatched'])}")
 
 
 def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | None, lib_dir: Path,
@@ -305,7 +383,8 @@ def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, bui
     try:
         plan = memory_plan(loaded.hf_config, quant=scheme, group_modes=group_modes,
                            compute_dtype=build_info["metadata"]["activation_dtype"],
-                           prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None)
+                           prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None,
+                           max_buffer_bytes=(target.capabilities or {}).get("max_buffer_bytes"))
     except ValueError as err:
         report.info(f"[yellow]note:[/] no memory plan ({err})")
         return
@@ -364,9 +443,11 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
 
 
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
-                 report: Reporter | None = None, phone: str | dict | None = None) -> BuildResult:
+                 report: Reporter | None = None, phone: str | dict | None = None,
+                 force_cpu: str | None = None, verify: bool | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
-    and QUANT=auto."""
+    and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py).
+    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`)."""
     import dataclasses
 
     from .config import load_phone
@@ -378,7 +459,10 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
         target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
     quant_spec = load_quant(quant)
     model_spec = load_model(model, weights)
-    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone])
+    from .force_cpu import reasons
+
+    forced = reasons(target_spec, force_cpu)   # an unknown op class fails here, before any work
+    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
     if _bundle_current(final, req, field="request_key"):
         report.info(f"{final} is up to date (cache hit: inputs unchanged, all files intact)")
@@ -389,9 +473,9 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     extra_reports: dict[str, str] = {}
     if quant_spec.auto_context:
         quant_spec, extra_reports = choose_formats(loaded, quant_spec, target_spec, report)
-    defined = define(loaded, quant_spec, target_spec)
+    defined = define(loaded, quant_spec, target_spec, report)
     weights_dir = quantize(loaded, defined, quant_spec, report)
-    lib_dir, info = build(loaded, defined, quant_spec, target_spec, report)
+    lib_dir, info = build(loaded, defined, quant_spec, target_spec, report, force_cpu=force_cpu, verify=verify)
     bundle = emit(loaded, quant_spec, target_spec, weights_dir, lib_dir, info, Path(out), report,
                   request_key=req, extra_reports=extra_reports)
     seconds = time.time() - t0

@@ -150,3 +150,33 @@ def test_write_coverage(adreno, tmp_path):
     assert len(kernel_lines) == len(report["kernels"])
     for r in report["kernels"]:
         assert sum(f"`{r['name']}`" in line for line in kernel_lines) == 1
+
+
+@pytest.fixture(scope="module")
+def default_model_rows():
+    """The default model (SmolLM2-135M, q4f16) for android-adreno, fused + scheduled, without compiling."""
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.stages import define, fuse, load, tune
+
+    target = load_target("android-adreno")
+    loaded = load(load_model("smollm2-135m"))
+    defined = define(loaded, load_quant("q4f16"), target)
+    mod, records = tune(fuse(defined, target), target)
+    report = coverage_report(mod, records, target, param_names=[n for n, _ in defined.params])
+    return loaded.decoder, report["kernels"]
+
+
+def test_default_model_rows_name_their_module(default_model_rows):
+    cfg, rows = default_model_rows
+    gemv = {r["module"]: r for r in rows if r["op_class"] == "dequant-gemv"}
+    down = gemv["layers.*.mlp.down_proj"]
+    # the down_proj GEMV: intermediate -> hidden
+    assert down["params"][-1]["shape"][-1] == cfg.hidden_size
+    assert any(cfg.intermediate_size in p["shape"] for p in down["params"][:-1])
+    assert {"layers.*.self_attn.qkv_proj", "layers.*.self_attn.o_proj", "layers.*.mlp.gate_up_proj",
+            "lm_head (tied to embed_tokens)"} <= gemv.keys()
+    by_name = {r["name"]: r["module"] for r in rows}
+    assert by_name["dequantize_embedding"] == "embed_tokens"
+    assert by_name["batch_decode_paged_kv"] == "layers.*.self_attn"
+    assert "layers.*.input_layernorm" in by_name["rms_norm"] and "norm" in by_name["rms_norm"].split(", ")
+    assert all(r["module"] for r in rows)

@@ -1,0 +1,85 @@
+"""The coverage report's "executed here" column: from actual PoCL runs on android-adreno, with a reason
+for every kernel that was only compiled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_model_numerics import tiny_hf_model
+
+from pipeline import execution
+from pipeline.verify_opencl import find_opencl_device
+
+needs_pocl = pytest.mark.skipif(find_opencl_device() is None, reason="no OpenCL platform (install pocl-opencl-icd)")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder, _ = tiny_hf_model(tmp_path_factory.mktemp("exec"), "llama", num_hidden_layers=2)
+    return folder
+
+
+def _build(folder, out, **kw):
+    from pipeline.progress import Reporter
+    from pipeline.stages import run_pipeline
+
+    return run_pipeline(str(folder), "android-adreno", "q4f16", out=str(out), report=Reporter(quiet=True), **kw).bundle
+
+
+@needs_pocl
+def test_adreno_build_runs_its_kernels_on_pocl(tiny_llama, tmp_path):
+    bundle = _build(tiny_llama, tmp_path)
+    cov = json.loads((bundle / "reports" / "coverage.json").read_text())
+    rows = {r["name"]: r for r in cov["kernels"]}
+    e = cov["summary"]["execution"]
+    ran = [n for n, r in rows.items() if r["executed"].startswith("executed here (PoCL")]
+    assert e["executed"] == len(ran) >= 20 and e["executed"] + e["not_executed"] == len(rows) and not e["mismatched"]
+    # every GEMV / matmul / norm / gather of the build ran, with its measured error
+    for r in rows.values():
+        if r["op_class"] in ("dequant-gemv", "dequant-matmul", "rmsnorm", "gather"):
+            assert "matches LLVM: rel. err" in r["executed"], r
+        if r["op_class"] in ("attention", "kv-cache"):
+            assert r["executed"].startswith("compiled, not executed ("), r
+    md = (bundle / "reports" / "coverage.md").read_text()
+    assert f"Executed here: {e['executed']} of {len(rows)} kernels" in md and "| executed here |" in md
+    html = (bundle / "reports" / "coverage.html").read_text()
+    assert 'id="kernels-executed">' + str(e["executed"]) in html and "compiled, not executed (" in html
+
+
+def test_without_opencl_device_nothing_claims_execution(tiny_llama, tmp_path, monkeypatch):
+    import pipeline.verify_opencl as vo
+
+    monkeypatch.setattr(vo, "find_opencl_device", lambda: None)
+    bundle = _build(tiny_llama, tmp_path / "nodev")
+    cov = json.loads((bundle / "reports" / "coverage.json").read_text())
+    assert cov["summary"]["execution"]["executed"] == 0
+    assert {r["executed"] for r in cov["kernels"]} == {
+        "compiled, not executed (no OpenCL device here: install pyopencl + pocl-opencl-icd)"}
+
+
+def test_verdicts_for_other_targets():
+    from pipeline.config import load_target
+    from pipeline.tune import KernelSchedule
+
+    recs = [KernelSchedule("a", "hvx", True), KernelSchedule("b", "cpu-default", False)]
+    out, summary = execution.verdicts(load_target("android-hexagon"), recs, verify=True)
+    assert out == {"a": "compiled, not executed (HVX: no Hexagon runtime / FastRPC here)",
+                   "b": "compiled, not executed (aarch64 CPU code)"} and summary["executed"] == 0
+    out, _ = execution.verdicts(load_target("android-adreno"), recs, verify=False)
+    assert all("verification off" in v for v in out.values())
+    out, _ = execution.verdicts(load_target("ios-metal"), recs, verify=True)
+    assert all(v == "compiled, not executed (no metal device here)" for v in out.values())
+
+
+@needs_pocl
+def test_a_crashing_kernel_costs_only_its_own_verdict(tiny_llama, tmp_path, monkeypatch):
+    """Kernels run in a child process: one that kills it (here: an abort injected on rms_norm) is marked
+    crashed, the others still run."""
+    monkeypatch.setenv("MLP_VERIFY_ABORT_ON", "rms_norm")
+    monkeypatch.setenv("MLP_CACHE_DIR", str(tmp_path / "cache"))   # not the library cached by the tests above
+    bundle = _build(tiny_llama, tmp_path / "crash")
+    rows = {r["name"]: r for r in json.loads((bundle / "reports" / "coverage.json").read_text())["kernels"]}
+    assert rows["rms_norm"]["executed"].startswith("compiled, not executed (the PoCL run crashed (exit")
+    assert rows["rms_norm1"]["executed"].startswith("executed here (PoCL")
+    assert sum(r["executed"].startswith("executed here") for r in rows.values()) >= 20
