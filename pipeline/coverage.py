@@ -29,7 +29,7 @@ DECODE_FUNCS = ("decode", "embed")
 PREFILL_FUNCS = ("prefill", "embed")
 EFFECTIVE_BANDWIDTH = 0.6
 
-OP_CLASSES = ("dequant-gemv", "dequant-matmul", "gemv", "matmul", "rmsnorm", "attention", "rope", "kv-cache",
+OP_CLASSES = ("dequant-gemv", "dequant-matmul", "gemv", "matmul", "rmsnorm", "layernorm", "attention", "rope", "kv-cache",
               "gdn-recurrence", "gdn-conv", "rnn-state", "gather", "elementwise", "injective", "reduction", "other")
 
 # Gated-DeltaNet (hybrid models): the delta-rule scan, its conv/gates, and the RNN-state copies.
@@ -132,6 +132,8 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
         return "rope"
     if "rms_norm" in low or "rmsnorm" in low:
         return "rmsnorm"
+    if "layer_norm" in low or "layernorm" in low:   # ONNX graphs (encoders)
+        return "layernorm"
     if low.startswith("take") or "embedding" in low or "gather" in low:
         return "gather"
     bufs = _buffers(func)
@@ -243,7 +245,7 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
     if cls in ("dequant-gemv", "dequant-matmul", "gemv", "matmul"):
         k = _eval(_matmul_k(ins, outs), env)
         return nbytes, 2 * n_out * (k or 0)
-    if cls in ("rmsnorm", "reduction"):
+    if cls in ("rmsnorm", "layernorm", "reduction"):
         largest = max((_elems(b, env) or 0 for b in ins), default=0)
         return nbytes, 2 * largest + n_out
     return nbytes, n_out
@@ -286,16 +288,21 @@ def _placement(record: Any, target: Any) -> str:
 
 # ------------------------------------------------------------------------------------ report
 def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_len: int = 1,
-                    prefill_chunk: int = 256, context_len: int | None = None) -> dict[str, Any]:
+                    prefill_chunk: int = 256, context_len: int | None = None,
+                    phase_funcs: dict[str, tuple[str, ...]] | None = None,
+                    phase_note: str | None = None) -> dict[str, Any]:
     """Per-kernel rows and a summary for a fused + scheduled module (see the module docstring).
 
     context_len: tokens already in the KV cache; when given, the attention and KV-append kernels the paged
     KV cache dispatches are costed too (KV reads grow with it), otherwise they are listed as not costed.
+    phase_funcs: which Relax functions make up each phase, for modules that are not LLMs (an ONNX graph
+    has one entry, `main`); phase_note says so in the report.
     """
     by_name = {r.name: r for r in records}
     callers, attention_calls = relax_callers(mod)
-    phases = {"decode_step": (DECODE_FUNCS, {"seq_len": seq_len}),
-              "prefill_chunk": (PREFILL_FUNCS, {"seq_len": prefill_chunk})}
+    funcs = {"decode_step": DECODE_FUNCS, "prefill_chunk": PREFILL_FUNCS, **(phase_funcs or {})}
+    phases = {"decode_step": (funcs["decode_step"], {"seq_len": seq_len}),
+              "prefill_chunk": (funcs["prefill_chunk"], {"seq_len": prefill_chunk})}
     rows = []
     for gv, func in sorted(mod.functions_items(), key=lambda kv: kv[0].name_hint):
         if not isinstance(func, tirx.PrimFunc):
@@ -325,6 +332,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
         rows.append(row)
     report = {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
               "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
+    if phase_note:
+        report["phase_note"] = phase_note
     if getattr(target, "npu", None):
         report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len})
     return report
@@ -460,6 +469,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Kernel coverage: {report['target']} ({report['device']})", "",
              f"{s['kernels']} kernels; decode step at seq_len={report['seq_len']}, "
              f"prefill chunk of {report['prefill_chunk']} tokens.", ""]
+    if report.get("phase_note"):
+        lines += [f"Note: {report['phase_note']}", ""]
     lines += ["| phase | accelerator FLOPs | CPU FLOPs | accelerator bytes | CPU bytes |", "|---|---|---|---|---|"]
     for phase in ("decode_step", "prefill_chunk"):
         p = s[phase]
