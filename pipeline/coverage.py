@@ -300,9 +300,9 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
     """
     by_name = {r.name: r for r in records}
     callers, attention_calls = relax_callers(mod)
-    funcs = {"decode_step": DECODE_FUNCS, "prefill_chunk": PREFILL_FUNCS, **(phase_funcs or {})}
-    phases = {"decode_step": (funcs["decode_step"], {"seq_len": seq_len}),
-              "prefill_chunk": (funcs["prefill_chunk"], {"seq_len": prefill_chunk})}
+    phase_map = {"decode_step": DECODE_FUNCS, "prefill_chunk": PREFILL_FUNCS, **(phase_funcs or {})}
+    phases = {"decode_step": (phase_map["decode_step"], {"seq_len": seq_len}),
+              "prefill_chunk": (phase_map["prefill_chunk"], {"seq_len": prefill_chunk})}
     rows = []
     for gv, func in sorted(mod.functions_items(), key=lambda kv: kv[0].name_hint):
         if not isinstance(func, tirx.PrimFunc):
@@ -335,19 +335,20 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
     if phase_note:
         report["phase_note"] = phase_note
     if getattr(target, "npu", None):
-        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len})
+        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len}, entry=phase_map["decode_step"][0])
     return report
 
 
-def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]) -> dict[str, Any]:
-    """CPU<->NPU hand-overs in one decode step. `decode`'s kernel calls are walked in binding order
+def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int],
+              entry: str = "decode") -> dict[str, Any]:
+    """CPU<->NPU hand-overs in one decode step (`entry`: `main` for an ONNX graph). `decode`'s kernel calls are walked in binding order
     (KV-cache attention, dispatched by the runtime, runs on the CPU); each change of unit between
     consecutive calls is a crossing, and the bytes moved are the tensors a call reads that a call on
     the other unit produced (activations; weights and states stay where they live)."""
     placement = {r["name"]: r["placement"] for r in rows}
     call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
     decode = next((f for gv, f in mod.functions_items()
-                   if gv.name_hint == "decode" and isinstance(f, relax.Function)), None)
+                   if gv.name_hint == entry and isinstance(f, relax.Function)), None)
     units: list[str] = []
     producer: dict[Any, str] = {}
     moved = 0

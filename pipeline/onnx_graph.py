@@ -144,8 +144,10 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
     check_quant(quant, path)
     act = quant.activation_dtype(target)
     tvm_target = target.tvm()
+    # npu: android-cpu and android-hexagon share the host target dict but not the library set
     key = _digest({"onnx": _file_sha(path), "quant": quant.name, "act": act, "target": str(tvm_target.export()),
-                   "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions()})
+                   "rules": target.schedule_rules, "npu": target.npu, "device": target.device,
+                   "code": source_hash(), "versions": tvm_versions()})
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")
@@ -159,6 +161,10 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
             mod = fuse_graph(mod, tvm_target)
         with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
             mod, schedules = schedule_module(mod, tvm_target, target.schedule_rules, target.device)
+        if target.npu:
+            from .hexagon import partition
+
+            schedules = partition(mod, schedules, target.npu, vocab_size=-1)   # no lm_head in a graph
         coverage = coverage_report(mod, schedules, target, phase_funcs=PHASE_FUNCS, phase_note=PHASE_NOTE)
         write_coverage(coverage, tmp)
         meta = {"model_type": "onnx", "source": path.name, "quantization": quant.name,
@@ -167,7 +173,13 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
             lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
                                 system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
         info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
-                "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device} for s in schedules]}
+                "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
+                             **({"reason": s.reason} if s.reason else {})} for s in schedules]}
+        if target.npu:
+            from .hexagon import build_npu_library
+
+            with report.step(f"compile NPU kernels ({target.npu.get('name', 'npu')})"):
+                info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
         (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return out, info
 
@@ -184,7 +196,8 @@ def emit_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, lib_dir: P
     final = out_root / f"{spec.name}-{quant.name}-{target.name}"
     with atomic_dir(final) as tmp:
         (tmp / "lib").mkdir()
-        _link_or_copy(lib_dir / info["library"], tmp / "lib" / info["library"])
+        for lib in filter(None, (info["library"], info.get("npu_library"))):
+            _link_or_copy(lib_dir / lib, tmp / "lib" / lib)
         (tmp / "reports").mkdir()
         shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
         for name in ("coverage.json", "coverage.md"):

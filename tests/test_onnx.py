@@ -169,3 +169,21 @@ def test_corrupt_onnx_file_is_one_line(exported, tmp_path, capsys, damage):
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "broken.onnx" in err and "ONNX" in err
     assert not (tmp_path / "dist").exists() or not any((tmp_path / "dist").iterdir())
+
+
+@pytest.mark.parametrize("target", ["android-cpu", "ios-metal", "android-hexagon"])
+def test_other_targets_build_with_reports(exported, build_bundle, target):
+    path, _ = exported["mlp"]
+    bundle = build_bundle(path, target, "q0f16")
+    cov = json.loads((bundle / "reports" / "coverage.json").read_text())
+    assert list((bundle / "lib").glob("*.tar")) and (bundle / "reports" / "coverage.html").is_file()
+    places = {k["placement"] for k in cov["kernels"]}
+    if target == "ios-metal":
+        assert places == {"GPU"}
+    elif target == "android-cpu":
+        assert places == {"CPU"}
+    else:   # NPU for the op classes the target declares, CPU with a reason for the rest, crossings counted
+        assert places == {"NPU", "CPU"}
+        assert all(k.get("reason") for k in cov["kernels"])
+        assert cov["summary"]["crossings"]["decode_calls"] == len(cov["kernels"])
+        assert list((bundle / "lib").glob("*hexagon_hvx.tar"))
