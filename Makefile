@@ -42,6 +42,13 @@ system-deps:
 	      || echo "warning: apt-get could not install pocl-opencl-icd/lld; the PoCL tests will be skipped"; \
 	  else echo "warning: install pocl-opencl-icd and lld for the OpenCL execution tests"; fi; \
 	fi
+	@# qemu-user + the aarch64 cross gcc/libc run the android-cpu kernels in tests/test_qemu_aarch64.py (skipped without them)
+	@if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross >/dev/null) \
+	      || echo "warning: apt-get could not install qemu-user/gcc-aarch64-linux-gnu; the qemu-aarch64 tests will be skipped"; \
+	  else echo "warning: install qemu-user and gcc-aarch64-linux-gnu for the aarch64 kernel tests"; fi; \
+	fi
 	@# headless Chromium renders reports/coverage.html in a test (skipped without it)
 	@if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile a model into a bundle for a target")
-    b.add_argument("--model", default="smollm2-135m", help="registry name (configs/models) or a HF folder/.gguf")
+    b.add_argument("--model", default="smollm2-135m", help="registry name (configs/models), a HF folder, a .gguf or an .onnx file")
     b.add_argument("--target", default="android-adreno", help="a name from targets/")
     b.add_argument("--quant", default="q4f16", help="a name from configs/quant/ or a path to a scheme .yaml")
     b.add_argument("--weights", default=None, help="weights folder/file (overrides the model config's)")

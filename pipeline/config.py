@@ -198,7 +198,7 @@ def load_quant(name: str) -> QuantSpec:
 
 
 def load_model(name_or_path: str, weights: str | Path | None = None) -> ModelSpec:
-    """A registry name (configs/models/<name>.yaml) or a path to a HF folder / .gguf file."""
+    """A registry name (configs/models/<name>.yaml) or a path to a HF folder / .gguf / .onnx file."""
     import json
 
     if name_or_path in MODELS:
@@ -221,7 +221,7 @@ def load_model(name_or_path: str, weights: str | Path | None = None) -> ModelSpe
     if candidate.exists():
         stem = candidate.stem if candidate.is_file() else candidate.name
         return ModelSpec(name=_slug(stem), hf_config=None, weights=Path(weights) if weights else candidate)
-    raise _unknown("model", name_or_path, MODELS, " (or a path to a HF folder / .gguf file)")
+    raise _unknown("model", name_or_path, MODELS, " (or a path to a HF folder / .gguf / .onnx file)")
 
 
 def _slug(text: str) -> str:

@@ -30,8 +30,8 @@ PREFILL_FUNCS = ("prefill", "embed")
 EFFECTIVE_BANDWIDTH = 0.6
 
 OP_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "dequant-matmul-ternary", "gemv", "matmul",
-              "rotation", "rmsnorm", "attention", "rope", "kv-cache", "gdn-recurrence", "gdn-conv", "rnn-state",
-              "gather", "elementwise", "injective", "reduction", "other")
+              "rotation", "rmsnorm", "layernorm", "attention", "rope", "kv-cache", "gdn-recurrence", "gdn-conv",
+              "rnn-state", "gather", "elementwise", "injective", "reduction", "other")
 
 MATMUL_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "dequant-matmul-ternary", "gemv",
                   "matmul")
@@ -140,6 +140,8 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
         return "rotation"
     if "rms_norm" in low or "rmsnorm" in low:
         return "rmsnorm"
+    if "layer_norm" in low or "layernorm" in low:   # ONNX graphs (encoders)
+        return "layernorm"
     if low.startswith("take") or "embedding" in low or "gather" in low:
         return "gather"
     bufs = _buffers(func)
@@ -253,7 +255,7 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
     if cls in MATMUL_CLASSES:
         k = _eval(_matmul_k(ins, outs), env)
         return nbytes, 2 * n_out * (k or 0)
-    if cls in ("rmsnorm", "reduction"):
+    if cls in ("rmsnorm", "layernorm", "reduction"):
         largest = max((_elems(b, env) or 0 for b in ins), default=0)
         return nbytes, 2 * largest + n_out
     return nbytes, n_out
@@ -376,17 +378,22 @@ def _placement(record: Any, target: Any) -> str:
 # ------------------------------------------------------------------------------------ report
 def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_len: int = 1,
                     prefill_chunk: int = 256, context_len: int | None = None,
-                    param_names: list[str] | None = None) -> dict[str, Any]:
+                    param_names: list[str] | None = None,
+                    phase_funcs: dict[str, tuple[str, ...]] | None = None,
+                    phase_note: str | None = None) -> dict[str, Any]:
     """Per-kernel rows and a summary for a fused + scheduled module (see the module docstring).
 
     context_len: tokens already in the KV cache; when given, the attention and KV-append kernels the paged
     KV cache dispatches are costed too (KV reads grow with it), otherwise they are listed as not costed.
+    phase_funcs: which Relax functions make up each phase, for modules that are not LLMs (an ONNX graph
+    has one entry, `main`); phase_note says so in the report.
     """
     by_name = {r.name: r for r in records}
     callers, attention_calls = relax_callers(mod)
     modules = kernel_modules(mod, list(param_names or []))
-    phases = {"decode_step": (DECODE_FUNCS, {"seq_len": seq_len}),
-              "prefill_chunk": (PREFILL_FUNCS, {"seq_len": prefill_chunk})}
+    phase_map = {"decode_step": DECODE_FUNCS, "prefill_chunk": PREFILL_FUNCS, **(phase_funcs or {})}
+    phases = {"decode_step": (phase_map["decode_step"], {"seq_len": seq_len}),
+              "prefill_chunk": (phase_map["prefill_chunk"], {"seq_len": prefill_chunk})}
     rows = []
     for gv, func in sorted(mod.functions_items(), key=lambda kv: kv[0].name_hint):
         if not isinstance(func, tirx.PrimFunc):
@@ -417,9 +424,12 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
         rows.append(row)
     report = {"target": target.name, "device": target.device, "seq_len": seq_len, "prefill_chunk": prefill_chunk,
               "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
+    if phase_note:
+        report["phase_note"] = phase_note
     accel = _accelerator(target)
     if getattr(target, "npu", None) or (accel == "GPU" and any(r["placement"] == "CPU" for r in rows)):
-        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len}, accel)
+        report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len}, accel,
+                                                   entry=phase_map["decode_step"][0])
     return report
 
 
@@ -428,10 +438,10 @@ def _accelerator(target: Any) -> str:
 
 
 def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int],
-              accelerator: str = "NPU") -> dict[str, Any]:
-    """CPU<->accelerator (NPU or GPU) hand-overs in one decode step. `decode`'s kernel calls are walked in
-    binding order (KV-cache attention, dispatched by the runtime, runs on the CPU beside an NPU and on the
-    GPU of a GPU target); each change of unit between
+              accelerator: str = "NPU", entry: str = "decode") -> dict[str, Any]:
+    """CPU<->accelerator (NPU or GPU) hand-overs in one decode step (`entry`: `main` for an ONNX graph).
+    The entry's kernel calls are walked in binding order (KV-cache attention, dispatched by the runtime,
+    runs on the CPU beside an NPU and on the GPU of a GPU target); each change of unit between
     consecutive calls is a crossing, and the bytes moved are the tensors a call reads that a call on
     the other unit produced (activations; weights and states stay where they live) plus every explicit
     device copy (`to_vdevice`) the graph makes around GPU-target kernels pinned to the CPU, which also
@@ -441,7 +451,7 @@ def crossings(mod: tvm.IRModule, rows: list[dict[str, Any]], env: dict[str, int]
     attention_unit = "CPU" if accelerator == "NPU" else accelerator   # paged-KV kernels: GPU ones on a GPU
     call_tir_ops = {tvm.ir.Op.get(n) for n in ("relax.call_tir", "relax.call_tir_inplace")}
     decode = next((f for gv, f in mod.functions_items()
-                   if gv.name_hint == "decode" and isinstance(f, relax.Function)), None)
+                   if gv.name_hint == entry and isinstance(f, relax.Function)), None)
     units: list[str] = []
     producer: dict[Any, str] = {}
     moved = 0
@@ -569,6 +579,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Kernel coverage: {report['target']} ({report['device']})", "",
              f"{s['kernels']} kernels; decode step at seq_len={report['seq_len']}, "
              f"prefill chunk of {report['prefill_chunk']} tokens.", ""]
+    if report.get("phase_note"):
+        lines += [f"Note: {report['phase_note']}", ""]
     lines += ["| phase | accelerator FLOPs | CPU FLOPs | accelerator bytes | CPU bytes |", "|---|---|---|---|---|"]
     for phase in ("decode_step", "prefill_chunk"):
         p = s[phase]

@@ -183,6 +183,9 @@ _TEMPLATE = """<!DOCTYPE html>
 <h1>Kernel coverage: {{ cov.target }} ({{ cov.device }})</h1>
 <p>{{ s.kernels }} kernels; decode step at seq_len={{ cov.get("seq_len", 1) }}, prefill chunk of {{ cov.get("prefill_chunk", "?") }} tokens
 {%- if cov.get("context_len") is not none %}, KV cache costed at a context of {{ cov.context_len }} tokens{% endif %}.</p>
+{%- if cov.get("phase_note") %}
+<p class="note">{{ cov.phase_note }}</p>
+{%- endif %}
 </header>
 <main>
 <section class="coverage">

@@ -221,7 +221,8 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     key = _digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
-                   "meta": meta, "force_cpu": forced, "verify": verify,
+                   "meta": meta, "force_cpu": forced, "verify": verify, "npu": target.npu,
+                   "formats": dict(quant.formats), "ternary_source": quant.ternary_source,
                    **({"rotation": quant.rotation} if quant.rotation else {})})
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
@@ -451,6 +452,7 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     import dataclasses
 
     from .config import load_phone
+    from .onnx_graph import build_graph, check_quant, emit_graph, is_onnx
 
     report = report or Reporter()
     t0 = time.time()
@@ -464,10 +466,17 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     forced = reasons(target_spec, force_cpu)   # an unknown op class fails here, before any work
     req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
+    onnx = is_onnx(model_spec)
+    if onnx:
+        check_quant(quant_spec, model_spec.weights)
     if _bundle_current(final, req, field="request_key"):
         report.info(f"{final} is up to date (cache hit: inputs unchanged, all files intact)")
-        has_weights = (final / "tensor-cache.json").exists()
+        has_weights = onnx or (final / "tensor-cache.json").exists()
         return BuildResult(final, time.time() - t0, True, has_weights)
+    if onnx:   # an ONNX graph: import instead of load/define/quantize, then the same fuse/tune/build/report
+        lib_dir, info = build_graph(model_spec, quant_spec, target_spec, report)
+        bundle = emit_graph(model_spec, quant_spec, target_spec, lib_dir, info, Path(out), req)
+        return BuildResult(bundle, time.time() - t0, report.all_cached, True)
     with report.step(f"load {model_spec.name}"):
         loaded = load(model_spec)
     extra_reports: dict[str, str] = {}

@@ -675,3 +675,70 @@ def run_on_llvm(func: tirx.PrimFunc, args: list) -> list:
             raise ValueError("run_on_llvm writes results back; pass writeable arrays")
         np.copyto(arr, t.numpy())
     return list(args)
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole Relax function, kernel by kernel
+# --------------------------------------------------------------------------------------------------
+
+
+def _relax_shape(ty) -> tuple[int, ...]:
+    return tuple(int(d) for d in ty.shape.values)
+
+
+def run_relax_on_pocl(fused: tvm.IRModule, scheduled: tvm.IRModule, inputs: list[np.ndarray], target,
+                      func_name: str = "main") -> tuple[list[np.ndarray], dict[str, float]]:
+    """Execute a fused Relax function's `call_tir`s in order, each kernel on PoCL, on the real tensors.
+
+    ``fused`` holds the unscheduled PrimFuncs (built with LLVM as the reference for every call, on the same
+    inputs); ``scheduled`` the GPU-scheduled ones of the same names. Static shapes only. Returns the outputs
+    of the function (from the PoCL chain) and, per kernel, the largest |PoCL - LLVM| over its calls
+    relative to the LLVM output's scale.
+    """
+    from tvm import relax
+
+    func = fused[func_name]
+    env: dict = dict(zip([p.__chandle__() for p in func.params], inputs, strict=True))
+    programs: dict[str, OpenCLProgram] = {}
+    errors: dict[str, float] = {}
+    call_tir = ir.Op.get("relax.call_tir")
+
+    def value(expr) -> Any:
+        if isinstance(expr, ir.Constant):
+            return np.array(expr.value.numpy(), order="C", copy=True)   # keeps 0-d arrays 0-d
+        if isinstance(expr, relax.Var):
+            return env[expr.__chandle__()]
+        if isinstance(expr, relax.Tuple):
+            return [value(f) for f in expr.fields]
+        raise NotImplementedError(f"cannot evaluate {type(expr).__name__} on PoCL")
+
+    def run_call(call) -> Any:
+        gv, args = call.args[0], [value(a) for a in call.args[1].fields]
+        outs_ty = call.ty_args[0]
+        outs_ty = list(outs_ty.fields) if isinstance(outs_ty, relax.TupleType) else [outs_ty]
+        outs = [np.zeros(_relax_shape(t), str(t.dtype)) for t in outs_ty]
+        name = gv.name_hint
+        if name not in programs:
+            programs[name] = opencl_kernels(tvm.IRModule({name: scheduled[name].with_attr("global_symbol", name)}),
+                                            target)
+        ref = run_on_llvm(fused[name].with_attr("global_symbol", name), [a.copy() for a in args + outs])[len(args):]
+        got = run_on_pocl(programs[name], name, [a.copy() for a in args + outs])[len(args):]
+        for r, g in zip(ref, got, strict=True):
+            scale = max(float(np.abs(r).max()) if r.size else 0.0, 1e-30)
+            err = float(np.abs(g.astype(np.float64) - r).max()) / scale if r.size else 0.0
+            errors[name] = max(errors.get(name, 0.0), err)
+        return got if isinstance(call.ty_args[0], relax.TupleType) else got[0]
+
+    body = func.body
+    for block in body.blocks:
+        for binding in block.bindings:
+            v = binding.value
+            if isinstance(v, relax.Call) and v.op.same_as(call_tir):
+                result = run_call(v)
+            elif isinstance(v, relax.TupleGetItem):
+                result = value(v.tuple_value)[v.index]
+            else:
+                result = value(v)
+            env[binding.var.__chandle__()] = result
+    out = value(body.body)
+    return (out if isinstance(out, list) else [out]), errors
