@@ -137,17 +137,20 @@ def test_shipped_config_names_existing_presets_and_goals():
 
 
 def test_auto_budgets_give_different_plans():
-    """The two auto rows must measure different plans on the default model (config-only: no weights)."""
+    """The two auto rows must fit and measure different plans on the default model, as the build plans them
+    (host-cpu compute dtype, the model's prefill chunk, error measured on the GGUF's weights)."""
     import yaml
 
     from pipeline.auto_quant import plan_auto
-    from pipeline.config import load_model, load_quant
+    from pipeline.config import load_model, load_quant, load_target
     from pipeline.stages import load
 
     cfg = yaml.safe_load(q.CONFIG.read_text())
     loaded = load(load_model(cfg["model"]))
-    context = int(load_quant("auto").auto_context)
-    plans = [plan_auto(loaded.hf_config, phone=r["phone"], context=context, ckpt=loaded.checkpoint)["formats"]
+    auto = load_quant("auto")
+    kw = dict(context=int(auto.auto_context), compute_dtype=auto.activation_dtype(load_target("host-cpu")),
+              prefill_chunk=loaded.decoder.prefill_chunk_size, ckpt=loaded.checkpoint)
+    plans = [plan_auto(loaded.hf_config, phone=r["phone"], **kw)["formats"]
              for r in cfg["ours"] if r.get("quant") == "auto"]
     assert plans[0] != plans[1]
 
