@@ -31,9 +31,14 @@ matrix — codes and scales; 1-D norm weights and biases excluded) / (number of 
 counted in the float base). Ours: the bundle's tensor-cache records of rank >= 2; llama.cpp: the GGUF's
 tensors of rank >= 2. The embedding counts (tied with the lm_head in this model: stored once).
 
-    .venv/bin/python benchmarks/quality.py            # full run (16k tokens), ~30 min on 2 cores
-    .venv/bin/python benchmarks/quality.py --quick    # 2k tokens: a smoke run
+    .venv/bin/python benchmarks/quality.py                # full run (16k tokens)
+    .venv/bin/python benchmarks/quality.py --quick        # 1k tokens: a smoke run
+    .venv/bin/python benchmarks/quality.py --tokens 4096  # any number of tokens (whole windows)
     make bench-quality [BENCH_ARGS=--quick]
+
+Cost: every bundle runs every token (ctx x windows). llama.cpp does 16k tokens in about a minute per type;
+our host-cpu prefill is still unscheduled-slow (about 3-5 tok/s per bundle on the shared 2-core machine,
+issue #6), so the full 16k-token run takes hours there; the time per bundle is recorded in the results.
 
 Results: benchmarks/results/quality-<date>[-quick].{json,md}. Not a test: `make test` runs only
 tests/test_bench_quality.py (the math here, on made-up logits).
