@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow lint clean bench bench-convert
+.PHONY: setup system-deps build run test test-slow lint clean bench bench-convert bench-quality llamacpp
 
 setup: $(STAMP)
 
@@ -81,6 +81,17 @@ bench: bench-convert
 # Weight conversion of a synthetic Qwen3-32B-shaped checkpoint: seconds, GB/s, peak RSS per layer count.
 bench-convert: $(STAMP)
 	$(PY) benchmarks/convert_stream.py $(BENCH_ARGS)
+
+# llama.cpp's tools (quantize, perplexity, bench) built from the llama-cpp-python sdist into
+# .cache/llama.cpp/ (never committed; reused). cmake + ninja come from pip (the bench extra) when missing.
+llamacpp: $(STAMP)
+	@command -v cmake >/dev/null && command -v ninja >/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/llamacpp.py
+
+# Quantization quality: perplexity, KL vs the float base, top-1 agreement, bits/weight of our schemes
+# and llama.cpp's Q8_0 / Q4_0 / Q4_K_M / TQ2_0 on the same weights and text (~30 min; --quick ~8 min).
+bench-quality: llamacpp
+	$(PY) benchmarks/quality.py $(BENCH_ARGS)
 
 clean:
 	rm -rf .cache dist/*/

@@ -1,0 +1,198 @@
+"""llama.cpp, built from the `llama-cpp-python` sdist, as a measuring peer for the benchmarks.
+
+The sdist (a registry package, fetched with pip, no git or network beyond the package index) carries
+`vendor/llama.cpp` with the HF converter and the tools. This builds only the tools the benchmarks run
+(llama-quantize, llama-perplexity, llama-bench; CPU backend, native ISA) into a cache folder that is
+never committed, and reuses it when present:
+
+    .cache/llama.cpp/<version>/llama_cpp_python-<version>.tar.gz   the sdist
+    .cache/llama.cpp/<version>/src/                                 its vendor/llama.cpp
+    .cache/llama.cpp/<version>/build/bin/llama-*                    the tools
+    .cache/llama.cpp/<version>/BUILT                                written last (a finished build)
+
+    .venv/bin/python benchmarks/llamacpp.py            # build (about 10 min on 2 cores), print paths
+    .venv/bin/python benchmarks/llamacpp.py --jobs 4
+
+Needs cmake (>= 3.14), ninja (or make) and a C++17 compiler; `pip install cmake ninja` provides the
+first two (pinned in pyproject's `bench` extra). Importable: `ensure_built()` returns a `LlamaCpp`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VERSION = "0.3.36"
+CACHE = Path(os.environ.get("LLAMA_CPP_CACHE", ROOT / ".cache" / "llama.cpp"))
+TOOLS = ("llama-quantize", "llama-perplexity", "llama-bench")
+# CPU backend only; nothing that fetches or serves.
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+)
+
+
+class BuildError(RuntimeError):
+    """llama.cpp could not be fetched or built; the message is one line naming the fix."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A finished build: the tools' folder and the vendored sources (converter, gguf-py)."""
+
+    version: str
+    src: Path
+    bin: Path
+
+    def tool(self, name: str) -> Path:
+        return self.bin / name
+
+    @property
+    def converter(self) -> Path:
+        return self.src / "convert_hf_to_gguf.py"
+
+    def converter_env(self) -> dict[str, str]:
+        """The converter imports the vendored gguf-py (it matches the tools), not the venv's gguf."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(self.src / "gguf-py"), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+        env.setdefault("NO_LOCAL_GGUF", "")
+        return env
+
+
+def _which_or_pip(name: str) -> str:
+    """A build tool on PATH or beside this Python (pip's cmake / ninja wheels install there)."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise BuildError(f"{name} not found — fix: `.venv/bin/pip install {name}` (pinned in pyproject's bench extra)")
+
+
+def _compiler_check() -> None:
+    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")):
+        raise BuildError("no C++ compiler found — fix: install g++ (`apt-get install g++`) or set CXX")
+
+
+def _sdist(version: str, where: Path) -> Path:
+    """The sdist tarball, fetched with pip (sources only) if not cached yet."""
+    name = f"llama_cpp_python-{version}.tar.gz"
+    if (where / name).exists():
+        return where / name
+    where.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}",
+           "--no-binary", ":all:", "--no-deps", "-q", "-d", str(where)]
+    if subprocess.run(cmd).returncode != 0 or not (where / name).exists():
+        raise BuildError(f"pip could not download the llama-cpp-python=={version} sdist — fix: check access to "
+                         "the package index (or put the .tar.gz into " f"{where})")
+    return where / name
+
+
+def _extract(tarball: Path, dest: Path) -> Path:
+    """vendor/llama.cpp of the sdist into dest (atomically: a temp folder renamed)."""
+    if (dest / "CMakeLists.txt").exists():
+        return dest
+    prefix = tarball.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp, tarfile.open(tarball) as tf:
+        members = []
+        for m in tf.getmembers():
+            if m.name.startswith(prefix) and m.name != prefix:
+                m.name = m.name[len(prefix):]
+                members.append(m)
+        if not members:
+            raise BuildError(f"{tarball}: no vendor/llama.cpp inside — fix: delete it and rerun to fetch it again")
+        tf.extractall(tmp, members=members, filter="data")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+        os.makedirs(tmp)  # TemporaryDirectory cleans up a folder that must exist
+    return dest
+
+
+def _run(cmd: list[str], log: Path, nice: bool) -> None:
+    prefix = ["nice", "-n", "10"] if nice and shutil.which("nice") else []
+    with open(log, "a") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.run(prefix + cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise BuildError(f"`{' '.join(cmd[:3])} ...` failed (exit {rc}) — see {log} for the compiler output")
+
+
+def find_built(version: str = VERSION, cache: Path = CACHE) -> LlamaCpp | None:
+    """The cached build if it finished (the BUILT marker is written after the last tool linked)."""
+    home = cache / version
+    lc = LlamaCpp(version, home / "src", home / "build" / "bin")
+    if (home / "BUILT").exists() and all(lc.tool(t).exists() for t in TOOLS):
+        return lc
+    return None
+
+
+def ensure_built(version: str = VERSION, cache: Path = CACHE, jobs: int = 2, nice: bool = True,
+                 quiet: bool = False) -> LlamaCpp:
+    """Reuse a finished build, else fetch + configure + build the tools (resumes a half build: ninja)."""
+    found = find_built(version, cache)
+    if found:
+        return found
+    home = cache / version
+    home.mkdir(parents=True, exist_ok=True)
+    cmake = _which_or_pip("cmake")
+    _compiler_check()
+    try:
+        generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={_which_or_pip('ninja')}"]
+    except BuildError:
+        generator = []  # cmake's default (make) still works, only slower to start
+    src = _extract(_sdist(version, home), home / "src")
+    build = home / "build"
+    log = home / "build.log"
+    if not quiet:
+        print(f"building llama.cpp {version} ({', '.join(TOOLS)}) with -j{jobs}; log: {log}", flush=True)
+    if not (build / "CMakeCache.txt").exists():
+        _run([cmake, "-S", str(src), "-B", str(build), *generator, *CMAKE_FLAGS], log, nice)
+    _run([cmake, "--build", str(build), "-j", str(jobs), "--target", *TOOLS], log, nice)
+    (home / "BUILT").write_text(version + "\n")
+    lc = find_built(version, cache)
+    if lc is None:
+        raise BuildError(f"build finished but the tools are missing from {build / 'bin'} — see {log}")
+    return lc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", default=VERSION, help="llama-cpp-python sdist version")
+    ap.add_argument("--cache", type=Path, default=CACHE, help="cache folder (default .cache/llama.cpp)")
+    ap.add_argument("--jobs", "-j", type=int, default=2)
+    ap.add_argument("--no-nice", action="store_true", help="do not lower the build's priority")
+    args = ap.parse_args(argv)
+    try:
+        lc = ensure_built(args.version, args.cache, args.jobs, nice=not args.no_nice)
+    except BuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for t in TOOLS:
+        print(lc.tool(t))
+    print(lc.converter)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
