@@ -174,7 +174,8 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
                 on_bytes(arr.nbytes)
         elif name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
-            tensor_layout = "NK" if base.endswith("embed_tokens") else layout
+            # an embedding table is NK (gathered by rows) unless tied to the lm_head (see Q4Embedding)
+            tensor_layout = "NK" if base.endswith("embed_tokens") and not tied else layout
             bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
             packed, scale = _convert_q4(ckpt, name, _source_names(ckpt, name, tied), tensor_layout, shapes,
                                         block_bytes, on_bytes, bits=bits)
