@@ -267,8 +267,10 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
                 on_bytes(arr.nbytes)
         elif name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
-            tensor_layout = "NK" if base.endswith("embed_tokens") else layout
             attrs = dict(getattr(p, "attrs", None) or {})
+            # embedding tables are NK (gathered by rows) unless the layer says otherwise (a tied q4 table
+            # takes the target's layout for its lm_head GEMV, see Q4Embedding)
+            tensor_layout = attrs.get("layout") or ("NK" if base.endswith("embed_tokens") else layout)
             sources = _source_names(ckpt, name, tied)
             if attrs.get("format") in tern.PACKINGS:
                 packed, scale = _convert_ternary(ckpt, name, sources, tensor_layout, shapes, block_bytes, on_bytes,

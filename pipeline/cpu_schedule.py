@@ -59,6 +59,8 @@ def _inline_producers(func: tirx.PrimFunc):
 
 
 VEC = 8   # fp32 lanes of an AVX2 / 2×NEON register
+TILES = (24, 16, VEC)   # output columns per task: three AVX2 accumulators measured fastest (1.7x vs 8)
+CODES_PER_WORD = 8
 
 
 def _vectorizable(sch, loop) -> bool:
@@ -67,12 +69,24 @@ def _vectorizable(sch, loop) -> bool:
 
 
 def _matmul_vectorized(sch, block, spatial, k) -> None:
-    """(..., n, k) -> parallel n_o, then (..., k, n_i) with n_i vectorized: the output tile stays in
-    registers while k streams; with the KN weight layout each weight load is contiguous."""
-    n_o, n_i = sch.split(spatial[-1], factors=[None, VEC])
-    sch.reorder(n_o, *spatial[:-1], k, n_i)
+    """(..., n, k) -> parallel n_o, then (..., k_word, k_code, n_i) with n_i unrolled: the output tile
+    stays in registers while k streams; with the KN weight layout each weight load is contiguous, and
+    splitting k by the 8 codes of a packed word lets each word be loaded once and shifted by constants.
+    """
+    n = int(sch.get(spatial[-1]).extent)
+    tile = next(t for t in TILES if n % t == 0)
+    n_o, n_i = sch.split(spatial[-1], factors=[None, tile])
+    k_extent = sch.get(k).extent
+    if isinstance(k_extent, tirx.IntImm) and int(k_extent) % CODES_PER_WORD == 0:
+        k_word, k_code = sch.split(k, factors=[None, CODES_PER_WORD])
+        sch.reorder(n_o, *spatial[:-1], k_word, k_code, n_i)
+        sch.unroll(k_code)
+        outer_k = k_word
+    else:
+        sch.reorder(n_o, *spatial[:-1], k, n_i)
+        outer_k = k
     sch.parallel(n_o)
-    init = sch.decompose_reduction(block, k)
+    init = sch.decompose_reduction(block, outer_k)
     sch.unroll(n_i)                      # straight-line lanes: LLVM's SLP vectorizer packs them
     sch.vectorize(sch.get_loops(init)[-1])
 

@@ -190,37 +190,49 @@ class FloatEmbedding(nn.Module):
 
 
 class Q4Embedding(nn.Module):
-    """Row-major (NK) int4 table (`bits=8`: int8): a gather reads whole rows, the tied lm_head is a GEMV."""
+    """Group-int4 table (`bits=8`: int8). NK (rows) makes the gather read whole rows; a tied table that also
+    serves as the lm_head is stored KN on KN targets, because the lm_head GEMV over the whole vocabulary
+    is the biggest kernel of a decode step and wants the output dim contiguous, while a gather of a few
+    KN columns costs hidden/8 strided words per token."""
 
     def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16", bits: int = 4,
-                 fmt: str | None = None):
+                 fmt: str | None = None, layout: str = "NK"):
         self.num, self.dim, self.dtype, self.fmt = num, dim, dtype, fmt
+        self.layout = "NK" if fmt in tern.PACKINGS else layout   # ternary tables: rows only
         if fmt in tern.PACKINGS:
             self.q_weight = nn.Parameter((num, tern.packed_len(fmt, dim)), tern.code_dtype(fmt))
             self.q_scale = nn.Parameter((num, tern.n_groups(dim)), scale_dtype)
             return
         per_word, code_dtype = (CODES_PER_WORD, "uint32") if bits == 4 else (1, "int8")
-        self.q_weight = nn.Parameter((num, dim // per_word), code_dtype)
-        self.q_scale = nn.Parameter((num, dim // GROUP), scale_dtype)
+        if layout == "NK":
+            self.q_weight = nn.Parameter((num, dim // per_word), code_dtype)
+            self.q_scale = nn.Parameter((num, dim // GROUP), scale_dtype)
+        else:
+            self.q_weight = nn.Parameter((dim // per_word, num), code_dtype)
+            self.q_scale = nn.Parameter((dim // GROUP, num), scale_dtype)
+            for p in (self.q_weight, self.q_scale):
+                p.attrs["layout"] = layout   # the converter stores embedding tables NK unless told
 
     def forward(self, ids: Tensor) -> Tensor:
-        rows = op.take(self.q_weight, ids, axis=0)
-        scales = op.take(self.q_scale, ids, axis=0)
-        dim, dtype, fmt = self.dim, self.dtype, self.fmt
+        axis = 0 if self.layout == "NK" else 1
+        rows = op.take(self.q_weight, ids, axis=axis)
+        scales = op.take(self.q_scale, ids, axis=axis)
+        dim, dtype, fmt, layout = self.dim, self.dtype, self.fmt, self.layout
 
         def gather_dequant(w: te.Tensor, s: te.Tensor):
+            seq = w.shape[0] if layout == "NK" else w.shape[1]
             if fmt in tern.PACKINGS:
-                t = dequantize_ternary_te(w, s, fmt, "NK", dim, w.shape[0], dtype)
+                t = dequantize_ternary_te(w, s, fmt, "NK", dim, seq, dtype)
             else:
                 deq = dequantize_q8_te if w.dtype == "int8" else dequantize_te
-                t = deq(w, s, "NK", dim, w.shape[0], dtype)  # [dim, seq]
-            return te.compute((w.shape[0], dim), lambda i, j: t[j, i], name="embed_dequant")
+                t = deq(w, s, layout, dim, seq, dtype)  # [dim, seq]
+            return te.compute((seq, dim), lambda i, j: t[j, i], name="embed_dequant")
 
         return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [rows, scales])
 
     def lm_head(self, h: Tensor) -> Tensor:
-        return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, "NK", self.dim, self.num, self.dtype,
-                                          fmt=self.fmt))
+        return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, self.layout, self.dim, self.num,
+                                          self.dtype, fmt=self.fmt))
 
 
 FORMAT_BITS = {"q4": 4, "q8": 8}
@@ -266,14 +278,16 @@ class LayerFactory:
         self._mark(layer, None, rotate)
         return layer
 
-    def embedding(self, num: int, dim: int) -> nn.Module:
+    def embedding(self, num: int, dim: int, tied: bool = False) -> nn.Module:
+        """`tied`: the table is also the lm_head, so it takes the target's layout (see Q4Embedding)."""
         fmt = self.format_for("embed_tokens")
         if fmt in tern.PACKINGS:
             layer = Q4Embedding(num, dim, self.dtype, self.scale_dtype, fmt=fmt)
             self._mark(layer, fmt, 1)
             return layer
         if fmt in FORMAT_BITS and dim % GROUP == 0:
-            return Q4Embedding(num, dim, self.dtype, self.scale_dtype, bits=FORMAT_BITS[fmt])
+            return Q4Embedding(num, dim, self.dtype, self.scale_dtype, bits=FORMAT_BITS[fmt],
+                               layout=self.layout if tied else "NK")
         return FloatEmbedding(num, dim, self.weight_dtype, self.dtype)
 
     def _mark(self, layer: nn.Module, fmt: str | None, rotate: int) -> None:

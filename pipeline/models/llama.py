@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(self, cfg: DecoderConfig, make: LayerFactory):
-        self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
         self.layers = nn.ModuleList([DecoderLayer(cfg, make, i) for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=make.dtype)
 

@@ -329,7 +329,7 @@ class HybridLayer(nn.Module):
 
 class HybridBackbone(nn.Module):
     def __init__(self, cfg: HybridConfig, make: LayerFactory, gpu: bool, max_threads: int):
-        self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
         self.layers = nn.ModuleList([HybridLayer(cfg, make, i, gpu, max_threads)
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, make.dtype)

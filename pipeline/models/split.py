@@ -69,10 +69,11 @@ class SplitFactory(LayerFactory):
         sizes = self._sizes(role, layer, out_features)
         return layer if len(sizes) == 1 else SplitLinear(layer, sizes)
 
-    def embedding(self, num: int, dim: int) -> nn.Module:
-        layer = super().embedding(num, dim)
+    def embedding(self, num: int, dim: int, tied: bool = False) -> nn.Module:
+        layer = super().embedding(num, dim, tied)
         sizes = self._sizes("embed_tokens", layer, num)
-        return layer if len(sizes) == 1 else SplitEmbedding(layer, sizes)
+        # parts are row (NK) tables, whatever layout the unsplit tied table would take
+        return layer if len(sizes) == 1 else SplitEmbedding(super().embedding(num, dim), sizes)
 
     def _sizes(self, role: str, layer: nn.Module, rows: int) -> list[int]:
         row_bytes = _row_bytes(layer, rows)
