@@ -35,12 +35,18 @@ def test_adreno_build_runs_its_kernels_on_pocl(tiny_llama, tmp_path):
     e = cov["summary"]["execution"]
     ran = [n for n, r in rows.items() if r["executed"].startswith("executed here (PoCL")]
     assert e["executed"] == len(ran) >= 20 and e["executed"] + e["not_executed"] == len(rows) and not e["mismatched"]
-    # every GEMV / matmul / norm / gather of the build ran, with its measured error
+    # every GEMV / matmul / norm / gather of the build ran, with its measured error; the paged KV cache's
+    # kernels ran on a consistent cache against TVM's CPU variants (the debug reader is shaped by the layer
+    # count, which the one-layer twin does not share); only fp16 casts were left
     for r in rows.values():
         if r["op_class"] in ("dequant-gemv", "dequant-matmul", "rmsnorm", "gather"):
             assert "matches LLVM: rel. err" in r["executed"], r
-        if r["op_class"] in ("attention", "kv-cache"):
-            assert r["executed"].startswith("compiled, not executed ("), r
+        if r["op_class"] in ("attention", "kv-cache") and r["name"] != "tir_kv_cache_debug_get_kv":
+            assert "paged KV cache of 2 sequences, matches its CPU variant: rel. err" in r["executed"], r
+    left = {n: r["executed"] for n, r in rows.items() if not r["executed"].startswith("executed here")}
+    assert all("fp16-only" in v for n, v in left.items() if n != "tir_kv_cache_debug_get_kv"), left
+    assert len(left) <= 3, left
+    print(f"executed on PoCL: {e['executed']} of {len(rows)} kernels; compiled only: {left}")
     md = (bundle / "reports" / "coverage.md").read_text()
     assert f"Executed here: {e['executed']} of {len(rows)} kernels" in md and "| executed here |" in md
     html = (bundle / "reports" / "coverage.html").read_text()
