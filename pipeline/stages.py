@@ -305,6 +305,9 @@ def _record_execution(coverage: dict[str, Any], mod: Any, loaded: Loaded, quant:
     else:
         verdict, summary = verdicts(target, schedules, verify)
     annotate(coverage, verdict, summary)
+    if twin is not None:
+        report.info(f"executed here: {summary['executed']} of {len(verdict)} kernels on PoCL "
+                    f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
     if summary["mismatched"]:
         report.info(f"[yellow]warning:[/] kernels differ from LLVM on PoCL: {', '.join(summary['mismatched'])}")
 
