@@ -1,8 +1,11 @@
 """A default CPU schedule for kernels dlight's CPU rules leave alone (e.g. prefill dequantize-matmul).
 
 Unscheduled, a fused dequantize+matmul writes the whole dequantized weight to a scratch buffer on
-every call and runs on one core. This rule inlines such producer blocks into their consumer and runs
-the outermost spatial loops in parallel — simple, and an order of magnitude on prefill.
+every call and runs on one core. For one token (decode GEMV) this rule inlines such producer blocks
+into their consumer: each weight is used once, so unpacking it in registers is the cheapest. For a
+prompt (prefill: a symbolic number of rows) every weight is used by every row, so the weight is
+dequantized once per output tile into a small scratch tile (compute_at) and all rows reuse it; the
+tiles run in parallel.
 """
 
 from __future__ import annotations
@@ -15,6 +18,13 @@ class CPUInlineParallel(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
+        if 'sblock("dequantize' in func.script():
+            try:
+                tiled = _dequant_tiles_for_rows(func)
+            except Exception:  # noqa: BLE001 - not this shape: the general path below
+                tiled = None
+            if tiled is not None:
+                return tiled
         prepared = _inline_producers(func)
         if prepared is None:
             return None
@@ -89,6 +99,50 @@ def _matmul_vectorized(sch, block, spatial, k) -> None:
     init = sch.decompose_reduction(block, outer_k)
     sch.unroll(n_i)                      # straight-line lanes: LLVM's SLP vectorizer packs them
     sch.vectorize(sch.get_loops(init)[-1])
+
+
+PREFILL_TILE = 24   # output columns per dequantized weight tile: 3 AVX2 registers per row, measured best
+
+
+def _dequant_tiles_for_rows(func: tirx.PrimFunc):
+    """Prefill dequantize-matmul: parallel over output tiles of PREFILL_TILE columns; per tile, the
+    dequantize block writes a (k x tile) scratch tile once (compute_at), then every row runs k with the
+    tile's columns unrolled (LLVM packs them into vector FMAs). Only when the rows are symbolic (a
+    prompt) and the producers are one dequantize feeding the matmul; else None."""
+    sch = s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    if len(blocks) < 2:
+        return None
+    matmul = blocks[-1]
+    loops = sch.get_loops(matmul)
+    kinds = _iter_kinds(sch, matmul)
+    if kinds[-1] != "R" or kinds.count("R") != 1 or len(loops) != len(kinds):
+        return None
+    *spatial, k = loops
+    extents = [sch.get(lp).extent for lp in spatial]
+    rows_symbolic = any(not isinstance(e, tirx.IntImm) for e in extents[:-1])
+    n = extents[-1]
+    if not rows_symbolic or not isinstance(n, tirx.IntImm) or int(n) % PREFILL_TILE:
+        return None
+    for block in blocks[:-1]:
+        if not sch.get(block).name_hint.startswith("dequantize"):
+            sch.compute_inline(block)   # a cast / transpose producer: fails (-> None) if it cannot
+    dequant = [b for b in sch.get_child_blocks(sch.get_sblock("root"))[:-1]]
+    if len(dequant) != 1:
+        return None
+    matmul = sch.get_child_blocks(sch.get_sblock("root"))[-1]
+    *spatial, k = sch.get_loops(matmul)
+    n_o, n_i = sch.split(spatial[-1], factors=[None, PREFILL_TILE])
+    sch.reorder(n_o, *spatial[:-1], k, n_i)
+    sch.compute_at(dequant[0], n_o)
+    sch.parallel(n_o)
+    init = sch.decompose_reduction(matmul, k)
+    sch.unroll(n_i)
+    sch.vectorize(sch.get_loops(init)[-1])
+    inner = sch.get_loops(dequant[0])[-1]
+    if _vectorizable(sch, inner) or isinstance(sch.get(inner).extent, tirx.IntImm):
+        sch.vectorize(inner)
+    return sch
 
 
 def _has_root(sch) -> bool:

@@ -1,0 +1,70 @@
+"""CPU schedules of the dequantize-matmul (cpu_schedule.py): decode keeps the unpack in registers, prefill
+dequantizes each output tile once for all rows; both compute what the unscheduled function computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te, tirx
+
+from pipeline.cpu_schedule import CPUInlineParallel
+from pipeline.models.layers import dequantize_q8_te, dequantize_te
+
+K, N = 96, 72   # K: 3 groups of 32; N: 3 prefill tiles
+
+
+def _dequant_matmul(layout: str, bits: int, rows):
+    x = te.placeholder((1, rows, K), "float32", name="x")
+    if bits == 4:
+        shape = (N, K // 8) if layout == "NK" else (K // 8, N)
+        w = te.placeholder(shape, "uint32", name="w")
+        deq = dequantize_te
+    else:
+        w = te.placeholder((N, K) if layout == "NK" else (K, N), "int8", name="w")
+        deq = dequantize_q8_te
+    s = te.placeholder((N, K // 32) if layout == "NK" else (K // 32, N), "float16", name="s")
+    wt = deq(w, s, layout, K, N, "float32")
+    k = te.reduce_axis((0, K), name="k")
+    out = te.compute((1, rows, N), lambda b, i, j: te.sum(x[b, i, k] * wt[k, j], axis=k), name="matmul")
+    return te.create_prim_func([x, w, s, out]).with_attr("global_symbol", "main")
+
+
+def _run(func, rows: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    args = []
+    for p in func.params:
+        shape = [rows if not isinstance(d, tirx.IntImm) else int(d) for d in p.shape]
+        dt = str(p.dtype)
+        if dt == "uint32":
+            a = rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
+        elif dt == "int8":
+            a = rng.integers(-127, 128, shape).astype(np.int8)
+        else:
+            a = (rng.standard_normal(shape) * (0.05 if dt == "float16" else 1)).astype(dt)
+        args.append(tvm.runtime.tensor(a))
+    tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "llvm"}))["main"](*args)
+    return args[-1].numpy()
+
+
+@pytest.mark.parametrize("layout,bits", [("KN", 4), ("NK", 4), ("KN", 8)])
+def test_prefill_tiles_dequantize_once_per_tile(layout, bits):
+    rows = tirx.Var("seq_len", "int64")
+    func = _dequant_matmul(layout, bits, rows)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    # the dequantize block sits inside the parallel tile loop, writing a (K x tile) scratch only
+    assert "T.parallel" in text and text.index("T.parallel") < text.index('sblock("dequantize')
+    for n_rows in (1, 7, 33):
+        want = _run(func, n_rows)
+        got = _run(sch.mod["main"], n_rows)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_decode_keeps_the_unpack_in_registers():
+    """One row (a constant): no scratch tile, the dequantize is inlined into the GEMV."""
+    func = _dequant_matmul("KN", 4, 1)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    assert 'sblock("dequantize' not in text
+    np.testing.assert_allclose(_run(sch.mod["main"], 1), _run(func, 1), rtol=1e-5, atol=1e-4)
