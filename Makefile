@@ -15,12 +15,15 @@ RUN_TARGET ?= host-cpu
 RUN_QUANT  ?= q4f16
 MAX_NEW_TOKENS ?= 64
 PYTEST_ARGS ?=
+RPC     ?=
+TRIALS  ?= 32
+KERNELS ?=
 
 # Never reach for a model hub: everything the pipeline reads is local.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow lint clean bench bench-convert bench-quality llamacpp
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality llamacpp
 
 setup: $(STAMP)
 
@@ -70,6 +73,11 @@ test: $(STAMP) system-deps
 # Long-running tests (none marked yet); pytest's exit 5 ("no tests collected") is not a failure here.
 test-slow: $(STAMP) system-deps
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# MetaSchedule tuning of the model's hot kernels into targets/$(TARGET)/tuning/ (builds apply the records).
+# RPC=host:port:key measures on a device registered with a TVM RPC tracker; without it, on this machine.
+tune: $(STAMP)
+	$(PY) -m pipeline tune --model $(MODEL) --target $(TARGET) --trials $(TRIALS) $(if $(RPC),--rpc $(RPC)) $(if $(KERNELS),--kernels $(KERNELS))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline tests benchmarks

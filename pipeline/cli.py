@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline build|run|report`. User mistakes end in one line, exit code 2."""
+"""Command line: `python -m pipeline build|run|tune|report`. User mistakes end in one line, exit code 2."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ def _run(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from .tuning import tune
+
+    tune(args.model, args.target, rpc=args.rpc, trials=args.trials,
+         kernels=[k for k in (args.kernels or "").split(",") if k], limit=args.max_kernels)
+    return 0
+
+
 def _report(args) -> int:
     from .report import main as report_main
 
@@ -64,6 +72,17 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=0.95)
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=_run)
+    t = sub.add_parser("tune", help="tune a model's hot kernels for a target into targets/<t>/tuning/",
+                       description="MetaSchedule search per kernel, measured through a TVM RPC tracker "
+                                   "(--rpc host:port:key; devices register under the key) or on this machine "
+                                   "(host-cpu). Records go to targets/<target>/tuning/ and builds apply them.")
+    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--target", default="host-cpu")
+    t.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY", help="RPC tracker and device key")
+    t.add_argument("--trials", type=int, default=32, help="MetaSchedule trials per kernel (default 32)")
+    t.add_argument("--kernels", default=None, help="comma-separated substrings of kernel names to tune")
+    t.add_argument("--max-kernels", type=int, default=4, help="tune at most this many (biggest first)")
+    t.set_defaults(func=_tune)
     c = sub.add_parser("report", help="a bundle's coverage summary, or the coverage diff of two bundles",
                        description="One bundle: its coverage summary. Two: what changed from A to B (kernels "
                                    "moved between CPU and accelerator, kernels only in one, accelerator shares, "

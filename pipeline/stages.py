@@ -197,9 +197,11 @@ def fuse(defined: Defined, target: TargetSpec):
 
 
 def tune(mod: Any, target: TargetSpec):
+    """Tuned records of the target's database first (tuning.py), then the target's default rules."""
     from .tune import schedule_module
+    from .tuning import load_database
 
-    return schedule_module(mod, target.tvm(), target.schedule_rules, target.device)
+    return schedule_module(mod, target.tvm(), target.schedule_rules, target.device, load_database(target.name))
 
 
 def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec,
@@ -211,6 +213,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     from . import force_cpu as forcing
     from .bundle import atomic_dir
     from .compile import attach_metadata, build_library
+    from .tuning import database_digest
 
     meta = defined.module.metadata(quant.name, defined.params)
     meta["activation_dtype"] = defined.activation_dtype
@@ -222,6 +225,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
                    "meta": meta, "force_cpu": forced, "verify": verify, "npu": target.npu,
+                   "tuning": database_digest(target.name),
                    "formats": dict(quant.formats), "ternary_source": quant.ternary_source,
                    **({"rotation": quant.rotation} if quant.rotation else {})})
     out = cache_root() / "lib" / key
@@ -442,9 +446,11 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
     def text(path: Path | None):
         return path.read_text() if path else None
 
+    from .tuning import database_digest
+
     return _digest({"model": text(model.path), "hf": model.hf_config, "weights": stat(model.weights),
                     "quant": text(quant.path), "target": text(target.path), "code": source_hash(),
-                    "versions": tvm_versions()})
+                    "versions": tvm_versions(), "tuning": database_digest(target.name)})
 
 
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",

@@ -74,8 +74,12 @@ def has_thread_binding(func: tirx.PrimFunc) -> bool:
 
 
 def schedule_module(mod: tvm.IRModule, target: tvm.target.Target, rule_names: tuple[str, ...],
-                    device: str) -> tuple[tvm.IRModule, list[KernelSchedule]]:
-    """Apply the rules in order to each unscheduled PrimFunc; return the module and a record per kernel."""
+                    device: str, tuned: dict | None = None) -> tuple[tvm.IRModule, list[KernelSchedule]]:
+    """Apply the rules in order to each unscheduled PrimFunc; return the module and a record per kernel.
+
+    `tuned`: {workload: TunedRecord} from the target's tuning database (tuning.py), tried first."""
+    from .tuning import apply_record, workload_key
+
     records: list[KernelSchedule] = []
     table = _rules()
     unknown = [r for r in rule_names if r not in table]
@@ -90,6 +94,15 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target, rule_names: tu
             if is_scheduled(func):
                 records.append(KernelSchedule(gv.name_hint, "library", True))
                 continue
+            record = tuned.get(workload_key(func)) if tuned else None
+            if record is not None:
+                try:
+                    updates[gv] = apply_record(func, record).with_attr("tirx.is_scheduled", True)
+                    records.append(KernelSchedule(gv.name_hint, "tuned", True,
+                                                  f"tuned record ({record.device_key}, {record.latency_us:.1f} us)"))
+                    continue
+                except Exception:  # noqa: BLE001 - a record that no longer fits: the default rules below
+                    pass
             for rule_name, rule in rules:
                 try:
                     space = rule.apply(func, target, False)
