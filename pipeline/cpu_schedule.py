@@ -29,6 +29,8 @@ class CPUInlineParallel(ScheduleRule):
         if prepared is None:
             return None
         sch, last, spatial, reduction = prepared
+        if _work(sch, spatial + reduction) < SERIAL_WORK:   # a decode-step norm / add: no fork-join
+            return sch
         # Vector lanes along the output dim: contiguous loads for KN q4 codes; for NK codes they gather,
         # which measured still 2x faster than a scalar loop (the unpacking dominates). Float NT weights
         # stay plain parallel.
@@ -66,6 +68,23 @@ def _inline_producers(func: tirx.PrimFunc):
     if not spatial:
         return None
     return sch, last, spatial, loops[len(spatial):]
+
+
+# Below this many loop iterations a kernel runs on the calling thread: waking the thread pool costs more
+# than it saves (decode's RMSNorm / residual add over one token: 576 elements), and under a loaded CPU a
+# fork-join can wait milliseconds for a descheduled worker.
+SERIAL_WORK = 1 << 16
+
+
+def _work(sch, loops) -> float:
+    """Product of the loops' extents; infinite when one is symbolic (a prompt's rows)."""
+    total = 1
+    for loop in loops:
+        extent = sch.get(loop).extent
+        if not isinstance(extent, tirx.IntImm):
+            return float("inf")
+        total *= int(extent)
+    return total
 
 
 VEC = 8   # fp32 lanes of an AVX2 / 2×NEON register
