@@ -174,6 +174,7 @@ def tune_kernel(func: Any, name: str, target_name: str, tvm_target: Any, rules: 
     from .tune import schedule_module
 
     main = func.with_attr("global_symbol", "main")
+    tvm_target = _with_cores(tvm_target)
     evaluator = EvaluatorConfig(number=3, repeat=3, min_repeat_ms=20, enable_cpu_cache_flush=False)
     if rpc is not None:
         runner = RPCRunner(RPCConfig(rpc.host, rpc.port, rpc.key, session_timeout_sec=120), evaluator)
@@ -199,6 +200,17 @@ def tune_kernel(func: Any, name: str, target_name: str, tvm_target: Any, rules: 
                        device_key=rpc.key if rpc else "local", latency_us=best, default_us=default_us,
                        trials=trials, trace=tvm.ir.save_json(sch.trace.as_json(remove_postproc=False)),
                        tvm=tvm.__version__)
+
+
+def _with_cores(tvm_target: Any) -> Any:
+    """MetaSchedule's CPU rules need the core count in an llvm target; this machine's when unset."""
+    import tvm
+
+    spec = dict(tvm_target.export())
+    if spec.get("kind") == "llvm" and not spec.get("num-cores"):
+        spec["num-cores"] = os.cpu_count() or 1
+        return tvm.target.Target(spec)
+    return tvm_target
 
 
 def _median_us(run_secs: Any) -> float:
