@@ -182,11 +182,22 @@ def make_release(spec: ReleaseSpec, *, out: Path | None = None, dist: Path = Pat
     from .progress import Reporter
 
     report = report or Reporter()
-    built = build_matrix(spec, Path(dist), report)
     final = Path(out) if out else Path(dist) / "release" / spec.name
+    _check_out(final, Path(dist))
+    built = build_matrix(spec, Path(dist), report)
     with report.step(f"package release {spec.name}"), atomic_dir(final) as tmp:
         package(spec, built, tmp)
     return final
+
+
+def _check_out(final: Path, dist: Path) -> None:
+    """The release folder is replaced as a whole: never let that be the bundles or some other folder."""
+    here, bundles = final.resolve(), dist.resolve()
+    if bundles == here or bundles.is_relative_to(here):
+        raise ConfigError(f"--out {final} would replace the bundles in {dist}", fix="give a folder of its own")
+    if here.is_dir() and any(here.iterdir()) and not (here / "release.json").exists():
+        raise ConfigError(f"--out {final} exists and is not a release folder (it would be replaced as a whole)",
+                          fix="give a new or empty folder, or delete it first")
 
 
 # ---------------------------------------------------------------------------------------- packaging
@@ -252,7 +263,8 @@ def _merge_static(spec: ReleaseSpec, target: TargetSpec, items: list[Built], des
             prefixes[prefix] = b.model_id
             members += _extract_objects(b.bundle / "lib" / kernels["library"], Path(work), b.model_id)
         _run([ar, f"--format={fmt}", "rcsD", str(dest.resolve()), *members], cwd=work)
-    symbols = set(_run([nm, "--defined-only", "--just-symbol-name", str(dest)]).split())
+    symbols = {s.removeprefix("_") if fmt == "darwin" else s      # Mach-O prepends `_` to C names
+               for s in _run([nm, "--defined-only", "--just-symbol-name", str(dest)]).split()}
     missing = [p for p in prefixes if LIBRARY_SYMBOL.format(prefix=p) not in symbols]
     if missing:
         raise CompileError(f"{dest.name} lacks the library symbol of {', '.join(prefixes[p] for p in missing)}",

@@ -38,6 +38,10 @@ def _write(tmp_path: Path, data: dict, name: str = "rel.yaml") -> Path:
     return path
 
 
+def _clang() -> str | None:
+    return next((t for t in ("/usr/lib/llvm-15/bin/clang", shutil.which("clang")) if t and os.path.exists(t)), None)
+
+
 def _nm() -> str | None:
     return next((t for t in ("/usr/lib/llvm-15/bin/llvm-nm", shutil.which("llvm-nm")) if t and os.path.exists(t)),
                 None)
@@ -147,16 +151,20 @@ def test_tarball_is_reproducible(tmp_path):
         "root/a.txt": "0o644", "root/b/x.bin": "0o644", "root/release.json": "0o644", "root/run.sh": "0o755"}
 
 
-def _fake_bundle(tmp_path: Path, name: str, prefix: str, clang: str) -> Path:
-    """A bundle as emit() writes it, with a .tar holding a real aarch64 object that defines the prefix's symbols."""
-    bundle = tmp_path / "dist" / f"{name}-q4f16-android-cpu"
+TRIPLES = {"android-cpu": "aarch64-linux-android", "ios-metal": "arm64-apple-ios"}
+
+
+def _fake_bundle(tmp_path: Path, name: str, prefix: str, clang: str, target: str = "android-cpu") -> Path:
+    """A bundle as emit() writes it, with a .tar holding a real object (ELF or Mach-O) that defines the
+    prefix's symbols."""
+    bundle = tmp_path / "dist" / f"{name}-q4f16-{target}"
     (bundle / "lib").mkdir(parents=True)
     (bundle / "reports").mkdir()
     src = tmp_path / f"{prefix}.c"
     src.write_text(f"const char {LIBRARY_SYMBOL.format(prefix=prefix)}[4] = \"abc\";\n"
                    f"int __tvm_ffi_{prefix}add(void) {{ return 1; }}\n")
     obj = tmp_path / "lib0.o"
-    subprocess.run([clang, "--target=aarch64-linux-android", "-c", str(src), "-o", str(obj)], check=True)
+    subprocess.run([clang, f"--target={TRIPLES[target]}", "-c", str(src), "-o", str(obj)], check=True)
     with tarfile.open(bundle / "lib" / f"{prefix}model.tar", "w") as tar:
         tar.add(obj, arcname="lib0.o")
     files = {"tensor-cache.json": "{}", "params_shard_0.bin": "0123", "tokenizer.json": "{}",
@@ -173,17 +181,18 @@ def _fake_bundle(tmp_path: Path, name: str, prefix: str, clang: str) -> Path:
     return bundle
 
 
-def test_static_library_merge_is_reproducible(tmp_path):
-    """Two models' objects in one libmodel_android.a, twice, byte-identical; app config and symbols checked."""
+@pytest.mark.parametrize("target, static", [("android-cpu", "libmodel_android.a"), ("ios-metal", "libmodel_iphone.a")])
+def test_static_library_merge_is_reproducible(tmp_path, target, static):
+    """Two models' objects in one static library (GNU ar for Android, Darwin ar for iOS), twice,
+    byte-identical; app config, weights folder and symbols checked."""
     import dataclasses
 
-    clang = next((c for c in ("/usr/lib/llvm-15/bin/clang", shutil.which("clang")) if c and os.path.exists(c)), None)
+    clang = _clang()
     if clang is None or _nm() is None:
         pytest.skip("clang / llvm-nm not installed (apt-get install clang llvm)")
-    spec = load_release(_write(tmp_path, {"models": ["smollm2-135m"], "quantizations": ["q4f16"],
-                                          "targets": ["android-cpu"]}))
+    spec = load_release(_write(tmp_path, {**GOOD, "targets": [target]}))
     spec = dataclasses.replace(spec, models=("m1", "m2"))
-    built = [Built(m, "q4f16", "android-cpu", _fake_bundle(tmp_path, m, f"{m}_q4f16_", clang)) for m in spec.models]
+    built = [Built(m, "q4f16", target, _fake_bundle(tmp_path, m, f"{m}_q4f16_", clang, target)) for m in spec.models]
     sums = []
     for run in ("a", "b"):
         out = tmp_path / run
@@ -192,15 +201,15 @@ def test_static_library_merge_is_reproducible(tmp_path):
         sums.append((out / "SHA256SUMS").read_text())
     assert sums[0] == sums[1]
     out = tmp_path / "a"
-    lib = out / "android-cpu" / "lib" / "libmodel_android.a"
+    lib = out / target / "lib" / static
     symbols = subprocess.run([_nm(), "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
     for m in spec.models:
-        assert LIBRARY_SYMBOL.format(prefix=f"{m}_q4f16_") in symbols
-    app = json.loads((out / "android-cpu" / "mlc-app-config.json").read_text())
+        assert re.search(rf" _?{LIBRARY_SYMBOL.format(prefix=f'{m}_q4f16_')}$", symbols, flags=re.M)
+    app = json.loads((out / target / "mlc-app-config.json").read_text())
     assert app == {"model_list": [
         {"model_id": f"{m}-q4f16", "model_lib": f"{m}_q4f16", "model_path": f"{m}-q4f16",
          "estimated_vram_bytes": 1000 + 10 * 16 + 7 + 3} for m in spec.models]}
-    weights = out / "android-cpu" / "m1-q4f16"
+    weights = out / target / "m1-q4f16"
     assert sorted(p.name for p in weights.iterdir()) == ["mlc-chat-config.json", "params_shard_0.bin",
                                                          "tensor-cache.json", "tokenizer.json"]
     assert json.loads((weights / "mlc-chat-config.json").read_text())["model_lib"] == "m1_q4f16"
@@ -210,7 +219,7 @@ def test_static_library_merge_is_reproducible(tmp_path):
 def test_shared_prefix_is_refused(tmp_path):
     import dataclasses
 
-    clang = next((c for c in ("/usr/lib/llvm-15/bin/clang", shutil.which("clang")) if c and os.path.exists(c)), None)
+    clang = _clang()
     if clang is None or _nm() is None:
         pytest.skip("clang / llvm-nm not installed (apt-get install clang llvm)")
     spec = load_release(_write(tmp_path, {**GOOD, "targets": ["android-cpu"]}))
@@ -219,6 +228,23 @@ def test_shared_prefix_is_refused(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(PipelineError, match="share the system-lib prefix 'llama_q4f16_'"):
         package(spec, built, tmp_path / "out")
+
+
+def test_out_folder_is_never_a_foreign_one(tmp_path):
+    from pipeline.release import _check_out
+
+    (tmp_path / "dist" / "b").mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="would replace the bundles"):
+        _check_out(tmp_path / "dist", tmp_path / "dist")
+    with pytest.raises(ConfigError, match="would replace the bundles"):
+        _check_out(tmp_path, tmp_path / "dist")
+    with pytest.raises(ConfigError, match="not a release folder"):
+        _check_out(tmp_path / "mine", tmp_path / "dist")
+    _check_out(tmp_path / "new", tmp_path / "dist")               # new, or a previous release: fine
+    (tmp_path / "mine" / "release.json").write_text("{}")
+    _check_out(tmp_path / "mine", tmp_path / "dist")
 
 
 def _check_sums(out: Path) -> None:
