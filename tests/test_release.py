@@ -304,3 +304,40 @@ def test_release_of_default_model_is_reproducible(tmp_path, dist_dir, targets):
     assert [b["target"] for b in manifest["builds"]] == targets
     assert manifest["tool_versions"]["tvm"] and manifest["git"]["commit"]
     assert all(b["library_key"] and b["bundle_build_key"] for b in manifest["builds"])
+
+
+# ------------------------------------------------------------------------- compile determinism
+def _shape_func(order: list[int], dependent: bool = False):
+    from tvm import tirx
+
+    H = tirx.decl_buffer((8,), "int64", name="H")
+
+    def store(slot: int):
+        src = tirx.IntImm("int64", order[0] if dependent and slot != order[0] else 0)
+        return tirx.BufferStore(H, tirx.BufferLoad(H, [src]) * tirx.IntImm("int64", 10 + slot),
+                                [tirx.IntImm("int64", slot)])
+
+    return tirx.PrimFunc([H], tirx.SeqStmt([store(s) for s in order]))
+
+
+def _slots(func) -> list[int]:
+    return [int(s.indices[0]) for s in func.body.seq]
+
+
+def test_shape_function_stores_are_sorted():
+    """VMShapeLower's hash-ordered slot stores come out in slot order, so a library's bytes do not change
+    from one compile to the next; stores that read another store's slot keep their order."""
+    import tvm
+
+    from pipeline.compile import sort_shape_stores
+
+    mod = tvm.IRModule({"shape_func1": _shape_func([5, 2, 6, 1]), "other": _shape_func([3, 1]),
+                        "shape_func2": _shape_func([4, 2, 3], dependent=True)})
+    out = sort_shape_stores(mod)
+    assert _slots(out["shape_func1"]) == [1, 2, 5, 6]
+    def stores(func):
+        return {(int(s.indices[0]), str(s.value)) for s in func.body.seq}
+
+    assert stores(out["shape_func1"]) == stores(mod["shape_func1"])    # the same stores, only reordered
+    assert _slots(out["other"]) == [3, 1]                 # only VMShapeLower's shape functions
+    assert _slots(out["shape_func2"]) == [4, 2, 3]        # H[2] and H[3] read H[4]: order kept
