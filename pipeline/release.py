@@ -152,8 +152,6 @@ class Built:
     quant: str
     target: str
     bundle: Path
-    seconds: float = 0.0
-    cached: bool = False
 
     @property
     def model_id(self) -> str:
@@ -171,8 +169,8 @@ def build_matrix(spec: ReleaseSpec, dist: Path, report) -> list[Built]:
     for model, quant, target in spec.entries():
         report.info(f"[bold]release {spec.name}:[/] {model} {quant} {target}")
         result = run_pipeline(model, target, quant, out=str(dist), report=report, verify=spec.verify_for(target))
-        name = json.loads((result.bundle / "manifest.json").read_text())["extra"]["model"]
-        built.append(Built(name, quant, target, result.bundle, result.seconds, result.cached))
+        extra = json.loads((result.bundle / "manifest.json").read_text())["extra"]   # names, also for paths
+        built.append(Built(extra["model"], extra["quantization"], target, result.bundle))
     return built
 
 
@@ -220,6 +218,11 @@ def package(spec: ReleaseSpec, built: list[Built], out: Path) -> None:
 
 def _package_target(spec: ReleaseSpec, target: TargetSpec, items: list[Built], out: Path,
                     ar: str, nm: str) -> list[dict[str, Any]]:
+    ids = [b.model_id for b in items]
+    if len(set(ids)) != len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise ConfigError(f"{', '.join(twice)} would be packaged twice for {target.name} (a model or scheme "
+                          "named both by name and by path?)", path=spec.path, fix="list each model and scheme once")
     (out / "lib").mkdir(parents=True)
     static = _packaging(target, spec.path)
     libs = (_merge_static(spec, target, items, out / "lib" / static[0], static[1], ar, nm) if static

@@ -230,6 +230,14 @@ def test_shared_prefix_is_refused(tmp_path):
         package(spec, built, tmp_path / "out")
 
 
+def test_same_model_twice_is_refused(tmp_path):
+    spec = load_release(_write(tmp_path, {**GOOD, "targets": ["android-cpu"]}))
+    built = [Built("m", "q4f16", "android-cpu", tmp_path / f"b{i}") for i in range(2)]
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ConfigError, match="m-q4f16 would be packaged twice for android-cpu"):
+        package(spec, built, tmp_path / "out")
+
+
 def test_out_folder_is_never_a_foreign_one(tmp_path):
     from pipeline.release import _check_out
 
