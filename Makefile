@@ -18,12 +18,15 @@ PYTEST_ARGS ?=
 RPC     ?=
 TRIALS  ?= 32
 KERNELS ?=
+VERIFY  ?=
+RELEASE ?= configs/release/default.yaml
+RELEASE_OUT ?=
 
 # Never reach for a model hub: everything the pipeline reads is local.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality llamacpp
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality llamacpp release release-matrix
 
 setup: $(STAMP)
 
@@ -61,11 +64,23 @@ system-deps:
 	fi
 
 build: $(STAMP)
-	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE)) $(if $(FORCE_CPU),--force-cpu $(FORCE_CPU))
+	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE)) $(if $(FORCE_CPU),--force-cpu $(FORCE_CPU)) $(if $(filter 1,$(VERIFY)),--verify)$(if $(filter 0,$(VERIFY)),--no-verify)
 
 run: $(STAMP)
 	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT)
 	$(PY) -m pipeline run $(OUT)/$(MODEL)-$(RUN_QUANT)-$(RUN_TARGET) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
+
+# Build a release file's matrix and package it (dist/release/<name>/: tarballs per target, SHA256SUMS, ...).
+release: $(STAMP)
+	$(PY) -m pipeline release $(RELEASE) --dist $(OUT) $(if $(RELEASE_OUT),--out $(RELEASE_OUT))
+
+# The CI job matrix of a release file (JSON, one job per model x target) into $(MATRIX), for
+# .github/workflows/release.yml.
+MATRIX ?= $(OUT)/release-matrix.json
+release-matrix: $(STAMP)
+	@mkdir -p $(dir $(MATRIX))
+	$(PY) -m pipeline release $(RELEASE) --matrix > $(MATRIX).tmp && mv $(MATRIX).tmp $(MATRIX)
+	@cat $(MATRIX)
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline build|run|tune|report`. User mistakes end in one line, exit code 2."""
+"""Command line: `python -m pipeline build|run|tune|report|release`. User mistakes end in one line, exit code 2."""
 
 from __future__ import annotations
 
@@ -48,6 +48,25 @@ def _report(args) -> int:
     return report_main(args.bundles, as_json=args.json, html=args.html)
 
 
+def _release(args) -> int:
+    import json
+    import time
+    from pathlib import Path
+
+    from .progress import Reporter
+    from .release import load_release, make_release, matrix_json, summary
+
+    spec = load_release(args.file)
+    if args.matrix:
+        print(json.dumps(matrix_json(spec), sort_keys=True))
+        return 0
+    report = Reporter()
+    t0 = time.time()
+    final = make_release(spec, out=Path(args.out) if args.out else None, dist=Path(args.dist), report=report)
+    report.console.print(summary(spec, final, time.time() - t0))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -92,6 +111,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--html", default=None, metavar="OUT",
                    help="also write the HTML coverage page for one bundle to OUT")
     c.set_defaults(func=_report)
+    rel = sub.add_parser("release", help="build a release matrix and package it for app teams",
+                         description="Build every model x quantization x target of a release file "
+                                     "(configs/release/<name>.yaml) and package per target: merged static "
+                                     "library or .so files, weights folders, mlc-app-config.json, reports, "
+                                     "tarballs, release.json and SHA256SUMS (byte-reproducible).")
+    rel.add_argument("file", help="a release .yaml or a name in configs/release/")
+    rel.add_argument("--out", default=None, help="release folder (default: <dist>/release/<name>)")
+    rel.add_argument("--dist", default="dist", help="where the bundles are built (default: dist)")
+    rel.add_argument("--matrix", action="store_true",
+                     help="only print the CI job matrix (JSON: one job per model x target) and exit")
+    rel.set_defaults(func=_release)
     return p
 
 

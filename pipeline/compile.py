@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
+from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad(...) builds in TVM 0.27
 
 from .errors import CompileError
 
@@ -26,12 +27,56 @@ def attach_metadata(mod: tvm.IRModule, metadata: dict[str, Any]) -> tvm.IRModule
     return mod
 
 
+_ARITH = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)
+
+
+def _slots_read(expr) -> set[int] | None:
+    """Constant slots an integer expression loads; None for anything but loads, constants and arithmetic."""
+    if isinstance(expr, tirx.IntImm):
+        return set()
+    if isinstance(expr, TensorLoad) and len(expr.indices) == 1 and isinstance(expr.indices[0], tirx.IntImm):
+        return {int(expr.indices[0])}
+    if isinstance(expr, tirx.Cast):
+        return _slots_read(expr.value)
+    if isinstance(expr, _ARITH):
+        a, b = _slots_read(expr.a), _slots_read(expr.b)
+        return None if a is None or b is None else a | b
+    return None
+
+
+def _sorted_body(body):
+    """A sequence of independent `H[i] = f(H[j], ...)` stores, ordered by slot i (else unchanged)."""
+    if not isinstance(body, tirx.SeqStmt):
+        return None
+    stores = list(body.seq)
+    if not all(isinstance(s, tirx.BufferStore) and len(s.indices) == 1 and isinstance(s.indices[0], tirx.IntImm)
+               for s in stores):
+        return None
+    written = {int(s.indices[0]) for s in stores}
+    reads = [_slots_read(s.value) for s in stores]
+    if len(written) != len(stores) or any(r is None or r & written for r in reads):
+        return None
+    return tirx.SeqStmt(sorted(stores, key=lambda s: int(s.indices[0])))
+
+
+@tvm.transform.module_pass(opt_level=0, name="SortShapeStores")
+def sort_shape_stores(mod, _ctx):
+    """VMShapeLower emits a shape function's independent slot stores in hash order, which changes between
+    runs; sorted by slot, the same model compiles to the same bytes (reproducible releases)."""
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc) and gv.name_hint.startswith("shape_func"):
+            body = _sorted_body(func.body)
+            if body is not None:
+                mod[gv] = func.with_body(body)
+    return mod
+
+
 def lowering_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     t = relax.transform
     passes = [
         t.RewriteDataflowReshape(), t.ToNonDataflow(), t.RemovePurityChecking(), t.CallTIRRewrite(),
         t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.KillAfterLastUse(), t.LowerRuntimeBuiltin(),
-        t.ComputePrimValue(), t.VMShapeLower(), t.AttachGlobalSymbol(),
+        t.ComputePrimValue(), t.VMShapeLower(), sort_shape_stores, t.AttachGlobalSymbol(),
     ]
 
     @tvm.transform.module_pass(opt_level=0, name="LowerToVM")
