@@ -65,7 +65,8 @@ def workload_key(func: Any) -> str:
 
 
 def load_database(target_name: str) -> dict[str, TunedRecord]:
-    """{workload: fastest record} over every file of the target's folder (any device key)."""
+    """{workload: fastest record} over every file of the target's folder (any device key); a record no
+    faster than the default rule it was measured against is not applied."""
     best: dict[str, TunedRecord] = {}
     folder = database_dir(target_name)
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -74,6 +75,8 @@ def load_database(target_name: str) -> dict[str, TunedRecord]:
         except (ValueError, TypeError) as err:
             raise ConfigError(f"{path}: not a tuning record ({err})",
                               fix="delete the file or re-run make tune for this target") from None
+        if rec.default_us is not None and rec.latency_us >= rec.default_us:
+            continue   # no faster than the default rule measured beside it: kept for reference, not applied
         if rec.workload not in best or rec.latency_us < best[rec.workload].latency_us:
             best[rec.workload] = rec
     return best
@@ -283,7 +286,9 @@ def tune(model: str, target: str, *, rpc: str | None = None, trials: int = 32, k
                               trials, rpc_spec, Path(work))
         path = write_record(rec, target)
         speed = f"{rec.default_us / rec.latency_us:.2f}x" if rec.default_us else "n/a"
+        slower = rec.default_us is not None and rec.latency_us >= rec.default_us
         report.info(f"{name}: default {rec.default_us:.1f} us -> tuned {rec.latency_us:.1f} us ({speed}) "
-                    f"in {time.time() - t0:.0f} s; {path}")
+                    f"in {time.time() - t0:.0f} s; {path}"
+                    + (" — no faster than the default rule: kept, not applied (more TRIALS?)" if slower else ""))
         out.append(rec)
     return out

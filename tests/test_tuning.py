@@ -76,6 +76,9 @@ def test_databases_merge_and_the_fastest_record_wins(tmp_path, monkeypatch):
     files = sorted(p.name for p in (tmp_path / "host-cpu" / "tuning").iterdir())
     assert len(files) == 3 and not any(f.startswith(".partial") for f in files)   # side by side, no clashes
     assert tuning.load_database("host-cpu")["ab" * 8].device_key == "phone-b"
+    slow = dict(base, workload="cd" * 8)
+    tuning.write_record(tuning.TunedRecord(device_key="ci", latency_us=12.0, **slow), "host-cpu")
+    assert "cd" * 8 not in tuning.load_database("host-cpu")   # slower than its default rule: not applied
     digest = tuning.database_digest("host-cpu")
     tuning.write_record(tuning.TunedRecord(device_key="phone-c", latency_us=1.0, **base), "host-cpu")
     assert tuning.database_digest("host-cpu") != digest   # new records change the build key
