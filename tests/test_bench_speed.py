@@ -107,6 +107,9 @@ def test_goal_verdicts_ratios_and_missing():
     v = speed.goal_verdicts(rows, goals, ["m"])
     assert [g["value"] for g in v] == [pytest.approx(0.5), pytest.approx(2.0), 0.8, pytest.approx(1.3), None]
     assert [g["met"] for g in v] == [False, True, True, False, None]
+    assert v[0]["best_vs_best"] is None   # no max in the made-up spreads
+    rows[0]["decode_tok_s"], rows[1]["decode_tok_s"] = speed.spread([4.0, 6.0]), speed.spread([2.0, 12.0])
+    assert speed.goal_verdicts(rows, goals[:1], ["m"])[0]["best_vs_best"] == pytest.approx(0.5)
     assert all(speed._goal_text(g) for g in v)
 
 
@@ -147,7 +150,8 @@ def test_markdown_renders_a_made_up_result():
            "models": [{"name": "m", "params": 1e6, "prefill": [128], "reps": 2}],
            "rows": [{"model": "m", "side": "ours", "scheme": "q4f16", "decode_tok_s": speed.spread([1.0, 2.0]),
                      "prefill_tok_s": {"128": speed.spread([3.0])}, "ttft_s": speed.spread([0.5, 0.7]),
-                     "bytes_per_token": 1e8, "roofline": 0.015, "decode_rss_bytes": 2**30, "peak_rss_bytes": 2**30}],
+                     "bytes_per_token": 1e8, "roofline": 0.015, "decode_rss_bytes": 2**30, "peak_rss_bytes": 2**30,
+                     "load_average_1m": 1.5}],
            "compile": [{"target": "host-cpu", "args": [], "model": "m", "quant": "q4f16", "cold_s": 10.0,
                         "steps": {"fuse": 1.0}, "rebuild_s": 1.0}],
            "phones": {"p": {"bandwidth_gbs": 50.0}}, "phone_bandwidth_share": 0.6,
@@ -155,5 +159,5 @@ def test_markdown_renders_a_made_up_result():
                                   "predicted_tok_s": {"p": 300.0}}],
            "goals": []}
     md = speed.markdown(res)
-    assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 1.5 | 1024 | 1024 |" in md
+    assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 1.5 | 1024 | 1024 | 1.50 |" in md
     assert "PREDICTION" in md and "| m | q4f16 | 100.0 | 300.0 |" in md
