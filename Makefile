@@ -26,7 +26,7 @@ RELEASE_OUT ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality llamacpp release release-matrix
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed llamacpp release release-matrix
 
 setup: $(STAMP)
 
@@ -99,7 +99,7 @@ lint: $(STAMP)
 
 # Benchmarks (not tests). BENCH_ARGS=--quick for a few minutes; results in benchmarks/results/.
 BENCH_ARGS ?=
-bench: bench-convert
+bench: bench-convert bench-speed
 
 # Weight conversion of a synthetic Qwen3-32B-shaped checkpoint: seconds, GB/s, peak RSS per layer count.
 bench-convert: $(STAMP)
@@ -115,6 +115,13 @@ llamacpp: $(STAMP)
 # and llama.cpp's Q8_0 / Q4_0 / Q4_K_M / TQ2_0 on the same weights and text (~30 min; --quick ~8 min).
 bench-quality: llamacpp
 	$(PY) benchmarks/quality.py $(BENCH_ARGS)
+
+# CPU speed, ours vs llama.cpp on the same weights (2 threads): prefill / decode tok/s, TTFT, peak RSS,
+# the memory-bandwidth roofline, compile times, phone predictions (< 40 min; --quick: default model, ~10 min).
+# The converter needs sentencepiece (the bench extra).
+bench-speed: llamacpp
+	@$(PY) -c "import sentencepiece" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/speed.py $(BENCH_ARGS)
 
 clean:
 	rm -rf .cache dist/*/

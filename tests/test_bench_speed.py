@@ -1,0 +1,163 @@
+"""The speed benchmark's math and plumbing (benchmarks/speed.py), on made-up data: no timing assertions."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import speed
+from pipeline.config import QUANTIZATIONS
+
+
+def test_spread_is_median_min_max():
+    assert speed.spread([3.0, 1.0, 10.0, 2.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
+    assert speed.spread([7]) == {"median": 7.0, "min": 7.0, "max": 7.0, "n": 1}
+    assert speed.spread([])["median"] is None
+
+
+def test_roofline_ratio():
+    # 10 tok/s reading 100 MB per token = 1 GB/s, on a 4 GB/s machine: a quarter of the roofline
+    assert speed.roofline_ratio(10.0, 100e6, 4e9) == pytest.approx(0.25)
+
+
+def test_phone_prediction_by_hand():
+    # 0.6 x 76.8 GB/s / 78.6 MB per token
+    assert speed.predicted_tok_s(76.8, 78.6e6, 0.6) == pytest.approx(0.6 * 76.8e9 / 78.6e6)
+    assert speed.predicted_tok_s(76.8, 78.6e6, 0.6) == pytest.approx(586.26, abs=0.01)
+    rows = [{"side": "ours", "model": "m", "scheme": "q4f16", "bytes_per_token": 1e8},
+            {"side": "llama.cpp", "model": "m", "scheme": "Q4_0", "bytes_per_token": 1e8}]
+    phones = {"a": {"bandwidth_gbs": 50.0}, "b": {"bandwidth_gbs": 100.0}}
+    (pred,) = speed.phone_predictions(rows, phones, 0.6)
+    assert pred["predicted_tok_s"] == {"a": 300.0, "b": 600.0}
+
+
+def _tiny_gguf(path, tied: bool):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))          # 128 bytes
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 4), np.float16))        # 32 bytes
+    w.add_tensor("output_norm.weight", np.zeros(4, np.float32))              # 16 bytes
+    if not tied:
+        w.add_tensor("output.weight", np.zeros((8, 4), np.float16))           # 64 bytes
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_decode_bytes_untied_skips_the_embedding(tmp_path):
+    _tiny_gguf(tmp_path / "u.gguf", tied=False)
+    info = speed.gguf_decode_bytes(tmp_path / "u.gguf")
+    assert info["file_tensor_bytes"] == 128 + 32 + 16 + 64
+    assert info["bytes_per_token"] == 32 + 16 + 64
+    assert not info["tied_embeddings"]
+    assert info["params"] == 32 + 16 + 4 + 32
+
+
+def test_gguf_decode_bytes_tied_counts_the_embedding_as_lm_head(tmp_path):
+    _tiny_gguf(tmp_path / "t.gguf", tied=True)
+    info = speed.gguf_decode_bytes(tmp_path / "t.gguf")
+    assert info["tied_embeddings"]
+    assert info["bytes_per_token"] == 128 + 32 + 16
+
+
+def test_bundle_decode_bytes_reads_the_coverage_summary(tmp_path):
+    (tmp_path / "reports").mkdir()
+    cov = {"summary": {"decode_step": {"total": {"bytes": 12345, "flops": 1}}}}
+    (tmp_path / "reports" / "coverage.json").write_text(json.dumps(cov))
+    assert speed.bundle_decode_bytes(tmp_path) == 12345
+
+
+def test_yaml_rows_parse_and_name_real_presets():
+    import gguf
+
+    cfg = speed.load_config()
+    assert cfg["models"][0]["name"] == "smollm2-135m"
+    for m in cfg["models"]:
+        assert m["prefill"][0] == 128 and all(isinstance(n, int) for n in m["prefill"])
+        assert m["reps"] >= 1 and m.get("long_reps", 1) >= 1
+        assert set(m.get("ours", cfg["ours"])) <= set(cfg["ours"])
+        assert set(m.get("long_prefill_schemes", [])) <= set(cfg["ours"])
+    assert set(cfg["ours"]) <= set(QUANTIZATIONS), "every scheme is a configs/quant preset"
+    for t in cfg["llamacpp"]:   # llama-quantize type names are LlamaFileType members without MOSTLY_
+        assert f"MOSTLY_{t}" in gguf.LlamaFileType.__members__, t
+    for g in cfg["goals"]:
+        assert g["ours"] in cfg["ours"] and g.get("theirs", "Q4_0") in cfg["llamacpp"]
+        assert ("at_least" in g) != ("at_most" in g)
+    quick = speed.load_config(quick=True)
+    assert [m["name"] for m in quick["models"]] == ["smollm2-135m"]
+    assert quick["models"][0]["prefill"] == [128]
+    assert quick["models"][0]["reps"] <= cfg["models"][0]["reps"]
+
+
+def test_goal_verdicts_ratios_and_missing():
+    rows = [{"model": "m", "side": "ours", "scheme": "q4f16", "decode_tok_s": {"median": 5.0},
+             "prefill_tok_s": {"128": {"median": 20.0}}, "roofline": 0.8, "decode_rss_bytes": 130},
+            {"model": "m", "side": "llama.cpp", "scheme": "Q4_0", "decode_tok_s": {"median": 10.0},
+             "prefill_tok_s": {"128": {"median": 10.0}}, "decode_rss_bytes": 100}]
+    goals = [{"metric": "decode_tok_s", "ours": "q4f16", "theirs": "Q4_0", "at_least": 1.0},
+             {"metric": "prefill_tok_s", "prompt": 128, "ours": "q4f16", "theirs": "Q4_0", "at_least": 1.0},
+             {"metric": "roofline", "ours": "q4f16", "at_least": 0.7},
+             {"metric": "decode_rss", "ours": "q4f16", "theirs": "Q4_0", "at_most": 1.2},
+             {"metric": "decode_tok_s", "ours": "ternary_ptq", "theirs": "TQ2_0", "at_least": 1.0}]
+    v = speed.goal_verdicts(rows, goals, ["m"])
+    assert [g["value"] for g in v] == [pytest.approx(0.5), pytest.approx(2.0), 0.8, pytest.approx(1.3), None]
+    assert [g["met"] for g in v] == [False, True, True, False, None]
+    assert v[0]["best_vs_best"] is None   # no max in the made-up spreads
+    rows[0]["decode_tok_s"], rows[1]["decode_tok_s"] = speed.spread([4.0, 6.0]), speed.spread([2.0, 12.0])
+    assert speed.goal_verdicts(rows, goals[:1], ["m"])[0]["best_vs_best"] == pytest.approx(0.5)
+    assert all(speed._goal_text(g) for g in v)
+
+
+def test_random_model_tensors_match_the_count_and_are_deterministic():
+    spec = {"seed": 3, "std": 0.02, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "tie_word_embeddings": True}
+    a, b = speed._random_tensors(spec), speed._random_tensors(spec)
+    assert sum(t.size for t in a.values()) == speed.random_model_params(spec)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    q = a["model.layers.0.self_attn.q_proj.weight"].astype(np.float64)
+    assert q.dtype == np.float64 and np.isfinite(q).all() and abs(q.std() - 0.02) < 0.003
+    untied = dict(spec, tie_word_embeddings=False)
+    assert sum(t.size for t in speed._random_tensors(untied).values()) == speed.random_model_params(untied)
+
+
+def test_parse_llama_bench_json():
+    text = json.dumps([
+        {"n_prompt": 128, "n_gen": 0, "avg_ts": 2.0, "samples_ts": [1.0, 2.0, 3.0], "build_commit": "abc"},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 5.0, "samples_ts": [5.0, 4.0], "build_commit": "abc"}])
+    parsed = speed.parse_llama_bench(text)
+    assert parsed["tests"]["pp128"] == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert parsed["tests"]["tg128"]["median"] == 4.5
+    assert parsed["build_commit"] == "abc"
+
+
+def test_run_measured_reports_the_childs_peak_rss_in_bytes():
+    run = speed.run_measured([sys.executable, "-c", "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096])"])
+    assert run["rc"] == 0
+    assert 300 * 2**20 <= run["max_rss_bytes"] < 2 * 2**30
+
+
+def test_markdown_renders_a_made_up_result():
+    res = {"date": "2026-01-01", "quick": True, "threads": 2, "decode_tokens": 64, "llamacpp_reps": 2,
+           "machine": {"cpu": "cpu", "cores": 2, "ram_gb": 8.0, "packages": {"apache-tvm": "0"}},
+           "git_commit": "abc", "llamacpp": {"version": "0.3.36", "build_commit": None},
+           "bandwidth": {"gbs": 10.0, "spread_gbs": speed.spread([9.0, 10.0]), "threads": 2, "method": "C"},
+           "load_average": {"before": 1.0, "after": 1.0},
+           "models": [{"name": "m", "params": 1e6, "prefill": [128], "reps": 2}],
+           "rows": [{"model": "m", "side": "ours", "scheme": "q4f16", "decode_tok_s": speed.spread([1.0, 2.0]),
+                     "prefill_tok_s": {"128": speed.spread([3.0])}, "ttft_s": speed.spread([0.5, 0.7]),
+                     "bytes_per_token": 1e8, "roofline": 0.015, "decode_rss_bytes": 2**30, "peak_rss_bytes": 2**30,
+                     "load_average_1m": 1.5}],
+           "compile": [{"target": "host-cpu", "args": [], "model": "m", "quant": "q4f16", "cold_s": 10.0,
+                        "steps": {"fuse": 1.0}, "rebuild_s": 1.0}],
+           "phones": {"p": {"bandwidth_gbs": 50.0}}, "phone_bandwidth_share": 0.6,
+           "phone_predictions": [{"model": "m", "scheme": "q4f16", "bytes_per_token": 1e8,
+                                  "predicted_tok_s": {"p": 300.0}}],
+           "goals": []}
+    md = speed.markdown(res)
+    assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 1.5 | 1024 | 1024 | 1.50 |" in md
+    assert "PREDICTION" in md and "| m | q4f16 | 100.0 | 300.0 |" in md
