@@ -630,12 +630,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------------------------- main
 def model_source(model: dict[str, Any]) -> tuple[str, Path]:
     """(what `pipeline build --model` takes, the weights llama.cpp converts) for a config row."""
@@ -733,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="no measuring: recompute the goals (config's) from a results .json's rows, rewrite it and its .md")
     args = ap.parse_args(argv)
+    from benchmarks.quality import _write_atomic
+
     if args.render:
         res = json.loads(args.render.read_text())
         res["goals"] = goal_verdicts(res["rows"], load_config(args.config)["goals"], [m["name"] for m in res["models"]])

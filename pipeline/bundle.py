@@ -122,7 +122,7 @@ def raise_if_disk_full(err: BaseException, final: Path, fix: str = "free space o
 
 
 # ------------------------------------------------------------------------------------------ manifest
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -184,7 +184,7 @@ def write_manifest(bundle_dir: Path, *, build_key: str, tool_versions: dict, ext
     gives a byte-identical manifest.
     """
     bundle_dir = Path(bundle_dir)
-    files = [{"path": rel, "sha256": _sha256(bundle_dir / rel), "size": (bundle_dir / rel).stat().st_size}
+    files = [{"path": rel, "sha256": file_sha256(bundle_dir / rel), "size": (bundle_dir / rel).stat().st_size}
              for rel in _bundle_files(bundle_dir)]
     manifest = {
         "manifest_version": MANIFEST_VERSION,
@@ -245,7 +245,7 @@ def verify_manifest(bundle_dir: Path, *, allow_unlisted: bool = False) -> None:
         if size != entry["size"]:
             raise WeightsError(f"{rel} has {size} bytes, manifest.json says {entry['size']}", path=path,
                                fix=REBUILD_FIX)
-        if _sha256(path) != entry["sha256"]:
+        if file_sha256(path) != entry["sha256"]:
             raise WeightsError(f"{rel} was modified or is corrupt (sha256 differs from manifest.json)",
                                path=path, fix=REBUILD_FIX)
     if not allow_unlisted:

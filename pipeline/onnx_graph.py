@@ -13,7 +13,6 @@ targets whose compute dtype is float16.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -119,14 +118,6 @@ def fuse_graph(mod, tvm_target):
         return transform.Sequential(fusion_passes())(mod)
 
 
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _prefix(name: str) -> str:
     """System-lib prefix: a C identifier fragment from the model name."""
     return "onnx_" + re.sub(r"[^0-9a-zA-Z_]", "_", name) + "_"
@@ -134,10 +125,9 @@ def _prefix(name: str) -> str:
 
 def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -> tuple[Path, dict[str, Any]]:
     """import + fuse + tune + compile, cached like the LLM path's build under a key over the file's bytes."""
-    from .bundle import atomic_dir
-    from .compile import attach_metadata, build_library
+    from .bundle import atomic_dir, file_sha256
     from .coverage import coverage_report, write_coverage
-    from .stages import _digest, cache_root, source_hash, tvm_versions
+    from .stages import _digest, cache_root, compile_library, source_hash, tvm_versions
     from .tune import schedule_module
 
     path = spec.weights
@@ -145,7 +135,7 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
     act = quant.activation_dtype(target)
     tvm_target = target.tvm()
     # npu: android-cpu and android-hexagon share the host target dict but not the library set
-    key = _digest({"onnx": _file_sha(path), "quant": quant.name, "act": act, "target": str(tvm_target.export()),
+    key = _digest({"onnx": file_sha256(path), "quant": quant.name, "act": act, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "npu": target.npu, "device": target.device,
                    "code": source_hash(), "versions": tvm_versions()})
     out = cache_root() / "lib" / key
@@ -169,18 +159,7 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
         write_coverage(coverage, tmp)
         meta = {"model_type": "onnx", "source": path.name, "quantization": quant.name,
                 "activation_dtype": act, **signature}
-        with report.step(f"compile for {target.name}"):
-            lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
-                                system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
-        info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
-                "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
-                             **({"reason": s.reason} if s.reason else {})} for s in schedules]}
-        if target.npu:
-            from .hexagon import build_npu_library
-
-            with report.step(f"compile NPU kernels ({target.npu.get('name', 'npu')})"):
-                info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
-        (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+        info = compile_library(mod, meta, schedules, target, prefix, key, tmp, report)
     return out, info
 
 

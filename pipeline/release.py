@@ -20,7 +20,6 @@ timestamp, `ar` in deterministic mode, and no timings or absolute paths in any f
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .bundle import file_sha256
 from .config import CONFIGS, ROOT, TargetSpec, _read_yaml, _registry, load_model, load_quant, load_target
 from .errors import CompileError, ConfigError, PipelineError
 
@@ -336,7 +336,7 @@ def release_manifest(spec: ReleaseSpec, rows: list[dict[str, Any]], epoch: int, 
     shown = path.relative_to(ROOT).as_posix() if path and path.is_relative_to(ROOT) else spec.name
     return {
         "release": spec.name,
-        "release_file": {"path": shown, "sha256": _sha256(path) if path else None},
+        "release_file": {"path": shown, "sha256": file_sha256(path) if path else None},
         "git": git_state(),
         "source_date_epoch": epoch,
         "tool_versions": {**tool_versions(), "llvm-ar": _run([ar, "--version"]).strip().splitlines()[0]},
@@ -403,20 +403,12 @@ def write_tarball(src: Path, dest: Path, arcroot: str, epoch: int, extra: dict[s
 
 def write_sha256sums(root: Path) -> None:
     """SHA256SUMS (the `sha256sum -c` format) over every file in the release, in path order."""
-    lines = [f"{_sha256(p)}  {p.relative_to(root).as_posix()}\n"
+    lines = [f"{file_sha256(p)}  {p.relative_to(root).as_posix()}\n"
              for p in _walk(root) if p.is_file() and p.name != "SHA256SUMS"]
     (root / "SHA256SUMS").write_text("".join(lines))
 
 
 # -------------------------------------------------------------------------------------------- helpers
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _link_or_copy(src: Path, dst: Path) -> None:
     """Hard-link when possible (release files are never modified in place), else copy."""
     try:

@@ -212,7 +212,6 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     `verify`: run the kernels on PoCL (None: the target's `verify_kernels`)."""
     from . import force_cpu as forcing
     from .bundle import atomic_dir
-    from .compile import attach_metadata, build_library
     from .tuning import database_digest
 
     meta = defined.module.metadata(quant.name, defined.params)
@@ -255,20 +254,30 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         coverage["splits"] = list(defined.splits)
         coverage["largest_parameter"] = _largest_parameter(defined, target)
         write_coverage(coverage, tmp)
-        with report.step(f"compile for {target.name}"):
-            lib = build_library(attach_metadata(mod, meta), tvm_target, library=target.library,
-                                system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
-        # No timings in here: it goes into the bundle, whose manifest must be reproducible.
-        info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
-                "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
-                             **({"reason": s.reason} if s.reason else {})} for s in schedules]}
-        if target.npu:
-            from .hexagon import build_npu_library
-
-            with report.step(f"compile NPU kernels ({target.npu.get('name', 'npu')})"):
-                info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
-        (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+        info = compile_library(mod, meta, schedules, target, prefix, key, tmp, report)
     return out, info
+
+
+def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], target: TargetSpec, prefix: str,
+                    key: str, tmp: Path, report: Reporter) -> dict[str, Any]:
+    """Compile a scheduled module (and, for NPU targets, its HVX kernels) into `tmp` and write build.json;
+    the LLM path and ONNX graphs share it. No timings in build.json: it goes into the bundle, whose
+    manifest must be reproducible."""
+    from .compile import attach_metadata, build_library
+
+    with report.step(f"compile for {target.name}"):
+        lib = build_library(attach_metadata(mod, meta), target.tvm(), library=target.library,
+                            system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
+    info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
+            "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
+                         **({"reason": s.reason} if s.reason else {})} for s in schedules]}
+    if target.npu:
+        from .hexagon import build_npu_library
+
+        with report.step(f"compile NPU kernels ({target.npu.get('name', 'npu')})"):
+            info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
+    (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+    return info
 
 
 def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:

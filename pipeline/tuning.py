@@ -196,9 +196,8 @@ def tune_kernel(func: Any, name: str, target_name: str, tvm_target: Any, rules: 
     if sch is None or not measured:
         raise RuntimeError(f"{name}: no candidate ran (see {work_dir}/logs)")
     best = min(_median_us(r.run_secs) for r in measured)
-    scheduled, records = schedule_module(tvm.IRModule({"main": main}), tvm_target, rules, device)
-    default_us = _measure(scheduled["main"], tvm_target, rpc, evaluator) if records[0].rule != "cpu-default" \
-        else _measure(main, tvm_target, rpc, evaluator)
+    scheduled, _ = schedule_module(tvm.IRModule({"main": main}), tvm_target, rules, device)   # as a build would
+    default_us = _measure(scheduled["main"], tvm_target, rpc, evaluator)
     return TunedRecord(workload=workload_key(func), kernel=name, target=target_name,
                        device_key=rpc.key if rpc else "local", latency_us=best, default_us=default_us,
                        trials=trials, trace=tvm.ir.save_json(sch.trace.as_json(remove_postproc=False)),

@@ -14,6 +14,7 @@ import pytest
 import tvm
 from tvm import tirx
 
+from pipeline.execution import random_args
 from pipeline.verify_opencl import _param_spec, find_opencl_device, opencl_kernels, run_on_llvm, run_on_pocl
 
 pytestmark = pytest.mark.skipif(find_opencl_device() is None, reason="no OpenCL platform (install pocl-opencl-icd)")
@@ -93,20 +94,6 @@ KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_
              "fused_rope")
 
 
-def _args(func: tirx.PrimFunc, rng, sizes: dict[str, int]) -> list[np.ndarray]:
-    args = []
-    for p in func.params:
-        spec = _param_spec(p)
-        shape = tuple(int(d) if isinstance(d, (int, tirx.IntImm)) else sizes[str(d)] for d in spec.shape)
-        if spec.dtype == "uint32":
-            args.append(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
-        elif spec.dtype.startswith("int"):          # token ids / row indices: small, in range
-            args.append(rng.integers(0, 16, shape).astype(spec.dtype))
-        else:
-            args.append(rng.standard_normal(shape).astype(spec.dtype))
-    return args
-
-
 def test_every_model_kernel_on_pocl(fused_adreno_module):
     """Every kernel of the adreno model (decode and prefill variants, seq_len = 5) that does not need the
     KV cache's runtime tables is scheduled by the target's rules, executed on PoCL and matches LLVM."""
@@ -123,7 +110,7 @@ def test_every_model_kernel_on_pocl(fused_adreno_module):
             continue
         func = func.with_attr("global_symbol", name)
         scheduled, _ = schedule_module(tvm.IRModule({name: func}), target.tvm(), target.schedule_rules, "gpu")
-        args = _args(func, np.random.default_rng(0), {"seq_len": 5})
+        args = random_args(func, np.random.default_rng(0), {"seq_len": 5})
         expected = run_on_llvm(func, [a.copy() for a in args])[-1]
         got = run_on_pocl(opencl_kernels(scheduled, target.tvm()), name, [a.copy() for a in args])[-1]
         scale = max(float(np.abs(expected).max()), 1e-30)
