@@ -132,6 +132,15 @@ class FloatLinear(nn.Module):
         return y if self.bias is None else y + _as(self.bias, x.dtype)
 
 
+def q_params(rows: int, k: int, code_dtype: str, scale_dtype: str, layout: str) -> tuple[nn.Parameter, nn.Parameter]:
+    """Codes (uint32: 8 int4 per word; int8: one each) and one scale per GROUP along K, for `rows` outputs:
+    NK [rows, K / per_word] + [rows, K / GROUP], or KN transposed."""
+    per_word = CODES_PER_WORD if code_dtype == "uint32" else 1
+    if layout == "NK":
+        return nn.Parameter((rows, k // per_word), code_dtype), nn.Parameter((rows, k // GROUP), scale_dtype)
+    return nn.Parameter((k // per_word, rows), code_dtype), nn.Parameter((k // GROUP, rows), scale_dtype)
+
+
 class Q4Linear(nn.Module):
     """Group-32 symmetric int4 weights with fp16 scales (`bits=8`: int8 codes); `layout` is NK or KN."""
 
@@ -140,13 +149,7 @@ class Q4Linear(nn.Module):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
         self.rotate = rotate
         k, n = in_features, out_features
-        per_word, code_dtype = (CODES_PER_WORD, "uint32") if bits == 4 else (1, "int8")
-        if layout == "NK":
-            self.q_weight = nn.Parameter((n, k // per_word), code_dtype)
-            self.q_scale = nn.Parameter((n, k // GROUP), scale_dtype)
-        else:
-            self.q_weight = nn.Parameter((k // per_word, n), code_dtype)
-            self.q_scale = nn.Parameter((k // GROUP, n), scale_dtype)
+        self.q_weight, self.q_scale = q_params(n, k, "uint32" if bits == 4 else "int8", scale_dtype, layout)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -203,13 +206,8 @@ class Q4Embedding(nn.Module):
             self.q_weight = nn.Parameter((num, tern.packed_len(fmt, dim)), tern.code_dtype(fmt))
             self.q_scale = nn.Parameter((num, tern.n_groups(dim)), scale_dtype)
             return
-        per_word, code_dtype = (CODES_PER_WORD, "uint32") if bits == 4 else (1, "int8")
-        if layout == "NK":
-            self.q_weight = nn.Parameter((num, dim // per_word), code_dtype)
-            self.q_scale = nn.Parameter((num, dim // GROUP), scale_dtype)
-        else:
-            self.q_weight = nn.Parameter((dim // per_word, num), code_dtype)
-            self.q_scale = nn.Parameter((dim // GROUP, num), scale_dtype)
+        self.q_weight, self.q_scale = q_params(num, dim, "uint32" if bits == 4 else "int8", scale_dtype, layout)
+        if layout != "NK":
             for p in (self.q_weight, self.q_scale):
                 p.attrs["layout"] = layout   # the converter stores embedding tables NK unless told
 

@@ -21,8 +21,6 @@ from tvm.relax.frontend.nn import Tensor, op
 
 from ..errors import ConfigError
 from .layers import (
-    CODES_PER_WORD,
-    GROUP,
     FloatEmbedding,
     FloatLinear,
     LayerFactory,
@@ -31,6 +29,7 @@ from .layers import (
     dequantize_q8_te,
     dequantize_te,
     dequantized_t,
+    q_params,
 )
 
 SPLIT_ROLES = ("embed_tokens", "lm_head")
@@ -86,14 +85,8 @@ class SplitFactory(LayerFactory):
 
 
 def _q_params(rows: list[int], k: int, code_dtype: str, scale_dtype: str, layout: str):
-    per_word = CODES_PER_WORD if code_dtype == "uint32" else 1
-    if layout == "NK":
-        codes = [nn.Parameter((n, k // per_word), code_dtype) for n in rows]
-        scales = [nn.Parameter((n, k // GROUP), scale_dtype) for n in rows]
-    else:
-        codes = [nn.Parameter((k // per_word, n), code_dtype) for n in rows]
-        scales = [nn.Parameter((k // GROUP, n), scale_dtype) for n in rows]
-    return nn.ParameterList(codes), nn.ParameterList(scales)
+    parts = [q_params(n, k, code_dtype, scale_dtype, layout) for n in rows]
+    return nn.ParameterList([c for c, _ in parts]), nn.ParameterList([s for _, s in parts])
 
 
 class SplitLinear(nn.Module):
