@@ -134,29 +134,44 @@ def dequantized_reference(model, layout_of):
     return ref
 
 
-def test_default_model_q4f16(build_bundle, smollm2_reference):
-    """q4f16 logits vs the same network on our dequantized weights (≤ 2e-2), and top-1 agreement vs fp32.
+CHAT_PROMPTS = ("Explain why the sky is blue in a short paragraph.", "Write a short poem about the sea.",
+                "What are three tips for staying healthy?", "Describe how a bicycle works.",
+                "Give me a recipe for pancakes.", "What is the difference between a virus and a bacterium?")
 
-    The 64 teacher-forced positions are the fp32 model's own greedy answer to a chat prompt. Measured:
-    73% (83% with fp16 embeddings) — below issue #2's 90% goal. The shipped weights sit on an
-    asymmetric Q4_1 grid, which symmetric 15-level int4 cannot reproduce; llama.cpp's Q4_0 scores 78%
-    same-top-1 on this model (shared/reference/FACTS.md §6). The bound below guards against regressions;
-    the quality work (mixed precision, embeddings at higher precision) belongs to the quantization issue.
+
+def test_default_model_q4f16(build_bundle, smollm2_reference):
+    """q4f16 logits vs the same network on our dequantized weights (≤ 2e-2), and agreement with fp32.
+
+    Teacher-forced on the fp32 model's own greedy answers to 6 chat prompts, 64 positions each. Measured
+    (torch on the dequantized weights): same top-1 70% over the 384 positions (per prompt 64–80%), mean KL
+    0.38; MLC's fixed max|w|/7 scales give 66% and 0.51 — one prompt alone swings by ±8 points, hence 6.
+    Issue #2's 90% same-top-1 is not reached: llama.cpp's Q4_0 scores 76–78% on this model (FACTS §6), and
+    it keeps the tied embedding at Q8_0. The bounds below guard against regressions (the KL one catches a
+    return to max|w|/7 scales); the quality work (mixed precision) belongs to the quantization issue.
     """
     bundle = Bundle(build_bundle("smollm2-135m", "host-cpu", "q4f16"))
     engine = bundle.engine()
-    prompt = chat_ids(bundle, "Explain why the sky is blue in a short paragraph.")
-    with torch.no_grad():
-        gen = smollm2_reference.generate(torch.tensor([prompt]), max_new_tokens=96, do_sample=False,
-                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    ids = gen[0].tolist()
-    ours = engine.prefill(ids, all_logits=True)
     deq = dequantized_reference(smollm2_reference, lambda name: "NK")
-    with torch.no_grad():
-        ref_q = deq(torch.tensor([ids])).logits[0].numpy()
-        ref_f = smollm2_reference(torch.tensor([ids])).logits[0].numpy()
-    diff = float(np.abs(ours - ref_q).max())
-    assert diff <= 2e-2, f"q4f16 vs dequantized reference: max |Δ| {diff:.3g}"
-    answer = slice(len(prompt) - 1, len(prompt) - 1 + 64)
-    agree = float(np.mean(ours[answer].argmax(-1) == ref_f[answer].argmax(-1)))
-    assert agree >= 0.70, f"top-1 agreement with fp32 {agree:.2%}"
+    agree, kl = [], []
+    for i, text in enumerate(CHAT_PROMPTS):
+        prompt = chat_ids(bundle, text)
+        with torch.no_grad():
+            gen = smollm2_reference.generate(torch.tensor([prompt]), max_new_tokens=72, do_sample=False,
+                                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        ids = gen[0].tolist()
+        ours = engine.prefill(ids, all_logits=True)
+        with torch.no_grad():
+            ref_f = smollm2_reference(torch.tensor([ids])).logits[0].numpy()
+            if i == 0:
+                ref_q = deq(torch.tensor([ids])).logits[0].numpy()
+                diff = float(np.abs(ours - ref_q).max())
+                assert diff <= 2e-2, f"q4f16 vs dequantized reference: max |Δ| {diff:.3g}"
+        answer = slice(len(prompt) - 1, len(prompt) - 1 + 64)
+        agree.append(float(np.mean(ours[answer].argmax(-1) == ref_f[answer].argmax(-1))))
+        lp = torch.log_softmax(torch.from_numpy(ref_f[answer]).double(), -1)
+        lq = torch.log_softmax(torch.from_numpy(np.asarray(ours[answer], np.float64)), -1)
+        kl.append(float((lp.exp() * (lp - lq)).sum(-1).mean()))
+    print(f"q4f16 vs fp32 over {64 * len(agree)} positions: same top-1 {np.mean(agree):.1%} "
+          f"(per prompt {', '.join(f'{a:.0%}' for a in agree)}), mean KL {np.mean(kl):.3f}")
+    assert np.mean(agree) >= 0.66, f"top-1 agreement with fp32 {np.mean(agree):.1%}"
+    assert np.mean(kl) <= 0.45, f"mean KL to fp32 {np.mean(kl):.3f}"

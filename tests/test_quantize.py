@@ -1,4 +1,4 @@
-"""q4f16 packing: exact format, half-step error bound, NK/KN equivalence."""
+"""q4f16 packing: exact format, half-step error bound, NK/KN equivalence, the per-group scale search."""
 
 import numpy as np
 import pytest
@@ -16,13 +16,14 @@ def test_every_weight_within_half_a_step(layout):
     assert packed.shape == ((96, 32) if layout == "NK" else (32, 96))
     assert scale.shape == ((96, 8) if layout == "NK" else (8, 96))
     deq = dequantize_q4(packed, scale, layout)
-    step = np.repeat((scale if layout == "NK" else scale.T).astype(np.float32), 32, axis=1)
+    step = np.repeat(np.abs((scale if layout == "NK" else scale.T).astype(np.float32)), 32, axis=1)
     assert np.all(np.abs(deq - w) <= step / 2 * (1 + 1e-6) + 1e-12)
     assert np.all(deq[3, :32] == 0)
 
 
 def test_format_matches_the_spec_by_hand():
-    """code = round(w/scale)+7, scale = max|w|/7 in fp16, nibble k%8 of word k//8 (little-endian)."""
+    """value = (code - 7) * scale, nibble k%8 of word k//8 (little-endian); values on an exact grid of
+    step 1 keep scale 1 — the 16th level (+8 steps) and a negative scale when the largest weight is negative."""
     w = np.zeros((1, 32), np.float32)
     w[0, :8] = [7, -7, 0, 1, 2, 3, -1, -2]
     packed, scale = quantize_q4(w, "NK")
@@ -30,6 +31,14 @@ def test_format_matches_the_spec_by_hand():
     codes = [14, 0, 7, 8, 9, 10, 6, 5]
     assert packed[0, 0] == sum(c << (4 * i) for i, c in enumerate(codes))
     assert packed[0, 1] == sum(7 << (4 * i) for i in range(8))
+    w = np.zeros((2, 32), np.float32)
+    w[0, :3] = [8, -7, 3]
+    w[1, :3] = [-8, 7, 3]
+    packed, scale = quantize_q4(w, "NK")
+    assert list(scale[:, 0]) == [1.0, -1.0]
+    assert packed[0, 0] & 0xFFF == 15 | 0 << 4 | 10 << 8
+    assert packed[1, 0] & 0xFFF == 15 | 0 << 4 | 4 << 8
+    np.testing.assert_array_equal(dequantize_q4(packed, scale), w)
 
 
 def test_layouts_hold_the_same_values():
@@ -39,15 +48,33 @@ def test_layouts_hold_the_same_values():
     np.testing.assert_array_equal(nk, kn)
 
 
+def _reference_group(g: np.ndarray) -> tuple[np.float16, list[int]]:
+    """One group by the spec, a candidate at a time: scale w_max / d in fp16 for d in 7, 7.5, 8, 8.5; keep
+    the least squared error among the scales that leave every weight within half a step (d = 7 first)."""
+    w_max = g[int(np.argmax(np.abs(g)))]
+    best = None
+    for d in (7.0, 7.5, 8.0, 8.5):
+        s16 = np.float16(np.float32(w_max) / np.float32(d))
+        s = np.float32(s16)
+        levels = [min(8.0, max(-7.0, float(np.rint(np.float32(x) / s)))) if s != 0 else 0.0 for x in g]
+        err = float(sum((np.float32(q) * s - x) ** 2 for q, x in zip(levels, g, strict=True)))
+        within = all(abs(np.float32(q) * s - x) <= abs(s) / 2 + 1e-30 for q, x in zip(levels, g, strict=True))
+        if best is None or (within and err < best[0]):
+            best = (err, s16, levels)
+    return best[1], [int(q) + 7 for q in best[2]]
+
+
 def _reference_q4(w: np.ndarray, layout: str):
-    """The formula spelled out, one uint32 per code (slow): what the packed fast path must equal."""
+    """The spec spelled out, one group and one code at a time (slow): what the packed fast path must equal
+    (up to error ties between candidate scales, which the fast path may break either way)."""
     n, k = w.shape
     groups = w.astype(np.float32).reshape(n, k // 32, 32)
-    scale16 = (np.abs(groups).max(axis=-1) / 7).astype(np.float16)
-    scale = scale16.astype(np.float32)[..., None]
-    safe = np.where(scale == 0, 1.0, scale)
-    codes = np.clip(np.rint(groups / safe) + 7, 0, 14).astype(np.uint32)
-    codes = np.where(scale == 0, 7, codes).reshape(n, k // 8, 8)
+    scale16 = np.zeros((n, k // 32), np.float16)
+    codes = np.zeros((n, k // 32, 32), np.uint32)
+    for i in range(n):
+        for j in range(k // 32):
+            scale16[i, j], codes[i, j] = _reference_group(groups[i, j])
+    codes = codes.reshape(n, k // 8, 8)
     packed = np.bitwise_or.reduce(codes << (np.arange(8, dtype=np.uint32) * 4), axis=-1).astype(np.uint32)
     return (packed.T.copy(), scale16.T.copy()) if layout == "KN" else (packed, scale16)
 
@@ -55,13 +82,26 @@ def _reference_q4(w: np.ndarray, layout: str):
 @pytest.mark.parametrize("layout", ["NK", "KN"])
 def test_bit_identical_to_the_reference_formula(layout):
     rng = np.random.default_rng(2)
-    w = (rng.standard_normal((300, 512)) * rng.uniform(1e-6, 30, (300, 1))).astype(np.float32)
+    w = (rng.standard_normal((40, 256)) * rng.uniform(1e-6, 30, (40, 1))).astype(np.float32)
     w[0, :32] = 0.0
     w[1, :32] = 1e-8                       # fp16 scale rounds to 0
     w[2, 32:64] = -2e-7
     w[3, 64:96] = np.float32(7 * 2.0**-25)   # right at the fp16 rounding edge
-    w[4, :] = np.repeat([0.5, -0.5], 256)    # ties: rint rounds half to even
+    w[4, :] = np.repeat([0.5, -0.5], 128)    # equal magnitudes: the first is w_max
     w[5, :] *= 1e3
     for got, want in zip(quantize_q4(w, layout), _reference_q4(w, layout), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+def test_search_never_loses_to_max_over_7_and_wins_on_average():
+    """Per group, the chosen scale's squared error is at most that of MLC's fixed max|w| / 7 (always a
+    candidate); over Gaussian weights the mean-square error drops by more than 20% (measured: 25%)."""
+    w = np.random.default_rng(3).standard_normal((256, 1024)).astype(np.float32)
+    groups = w.reshape(256, 32, 32)
+    mlc_scale = (np.abs(groups).max(-1, keepdims=True) / 7).astype(np.float16).astype(np.float32)
+    mlc = np.clip(np.rint(groups / mlc_scale), -7, 7) * mlc_scale
+    ours = dequantize_q4(*quantize_q4(w)).reshape(groups.shape)
+    err_ours, err_mlc = ((ours - groups) ** 2).sum(-1), ((mlc - groups) ** 2).sum(-1)
+    assert np.all(err_ours <= err_mlc * (1 + 1e-6))
+    assert err_ours.sum() < 0.8 * err_mlc.sum()

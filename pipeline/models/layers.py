@@ -20,7 +20,7 @@ from .. import ternary as tern
 
 GROUP = 32          # weights per scale, along the reduction (K) axis
 CODES_PER_WORD = 8  # int4 codes per uint32
-ZERO = 7            # symmetric: code = round(w / scale) + 7, in [0, 14]
+ZERO = 7            # value = (code - 7) * scale, code in [0, 15] (quantize.py chooses the signed scale)
 
 
 def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
