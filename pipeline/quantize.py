@@ -20,7 +20,6 @@ import numpy as np
 
 from .models.layers import CODES_PER_WORD, GROUP, ZERO
 
-
 SCALE_DIVISORS = (7.0, 7.5, 8.0, 8.5)   # candidate scales w_max / d (more candidates measured no better)
 Q4_LOW, Q4_HIGH = -ZERO, 15 - ZERO     # levels (code - 7) reachable with 4-bit codes
 _ROWS_PER_CHUNK_ELEMS = 1 << 16        # rows searched together: ~256 KB of float32, cache-resident
