@@ -223,7 +223,10 @@ def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
 def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, decode: int,
                   seed: int) -> dict[str, Any]:
     """Runs inside the fresh child: TTFT + prefill-128 then decode, `reps` times; the longer prompts
-    `long_reps` times. The Engine is the one `python -m pipeline run` drives."""
+    `long_reps` times. The Engine is the one `python -m pipeline run` drives, with TVM's runtime alone."""
+    from pipeline.lean_runtime import enter_runtime_process
+
+    enter_runtime_process()
     from pipeline.runner import Bundle
 
     t0 = time.perf_counter()

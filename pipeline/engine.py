@@ -7,14 +7,15 @@ calls (embed, prefill, decode, create_tir_paged_kv_cache), so a passing test exe
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax
 from tvm.runtime import ShapeTuple
+from tvm.runtime.vm import VirtualMachine
 
 PAGE_SIZE = 16
 
@@ -30,14 +31,17 @@ def _builtin(name: str):
 class Engine:
     """One sequence at a time (batch 1), which is what a phone app chat does."""
 
-    def __init__(self, library: Any, params: dict[str, Any] | list[Any], metadata: dict[str, Any] | None = None,
-                 device=None):
-        """`params`: arrays in the library's parameter order, or a name -> array mapping (ordered by
-        `_metadata`). `metadata` defaults to what the library's `_metadata()` returns."""
+    def __init__(self, library: Any, params: dict[str, Any] | list[Any] | Iterable[tuple[str, Any]],
+                 metadata: dict[str, Any] | None = None, device=None):
+        """`params`: arrays in the library's parameter order, a name -> array mapping (ordered by
+        `_metadata`), or a stream of (name, array) pairs — each copied to the device as it arrives, so the
+        host copy of all weights never exists at once. `metadata` defaults to the library's `_metadata()`."""
         self.device = device or tvm.cpu()
         lib = tvm.runtime.load_module(str(library)) if isinstance(library, (str, Path)) else library
-        self.vm = relax.VirtualMachine(lib, self.device)
+        self.vm = VirtualMachine(lib, self.device)
         self.meta = metadata if metadata is not None else json.loads(self.vm["_metadata"]())
+        if not isinstance(params, (dict, list, tuple)):
+            params = {name: tvm.runtime.tensor(arr, self.device) for name, arr in params}
         if isinstance(params, dict):
             missing = [p["name"] for p in self.meta["params"] if p["name"] not in params]
             if missing:

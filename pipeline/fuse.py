@@ -13,6 +13,9 @@ from tvm.relax.dpl import is_op, is_tuple, wildcard
 
 # dequantize functions of every packed weight format (layers.py): q4 / q8 groups, t2 / t3 ternary
 DEQUANTIZE_PREFIXES = ("dequantize_q4", "dequantize_q8", "dequantize_t2", "dequantize_t3")
+# a dtype cast feeding a matmul: fp16 weights computed in fp32 (q0f16 on a CPU target) — fused, the matmul
+# reads the fp16 weight and widens it in registers instead of a separate kernel writing an fp32 copy
+CAST_PREFIX = "cast"
 
 
 def _callee_name(call: relax.Call) -> str:
@@ -29,7 +32,7 @@ def _dequant_matmul_pattern():
 def _is_dequant_matmul(ctx: relax.transform.PatternCheckContext) -> bool:
     dq = ctx.annotated_expr["dequant"]
     mm = ctx.annotated_expr["matmul"]
-    return _callee_name(dq).startswith(DEQUANTIZE_PREFIXES) and "matmul" in _callee_name(mm)
+    return _callee_name(dq).startswith((*DEQUANTIZE_PREFIXES, CAST_PREFIX)) and "matmul" in _callee_name(mm)
 
 
 def fuse_dequantize_matmul() -> tvm.transform.Pass:

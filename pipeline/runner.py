@@ -33,10 +33,10 @@ class Bundle:
 
     def engine(self):
         from .engine import Engine, MissingWeightsError
-        from .tensor_cache import read_tensor_cache
+        from .tensor_cache import iter_tensor_cache
 
         try:
-            return Engine(self.library, read_tensor_cache(self.path))
+            return Engine(self.library, iter_tensor_cache(self.path))
         except MissingWeightsError as err:
             raise PipelineError(f"weights lack {err.args[0]}", path=self.path / "tensor-cache.json",
                                 fix="rebuild the bundle") from None

@@ -346,14 +346,18 @@ def _check_shard(folder: Path, shard: dict, verify: bool) -> Path:
 
 
 def read_tensor_cache(folder: Path, verify: bool = True) -> dict[str, np.ndarray]:
-    """name -> array for every tensor in the cache at `folder`.
+    """name -> array for every tensor in the cache at `folder` (see `iter_tensor_cache`)."""
+    return dict(iter_tensor_cache(folder, verify))
+
+
+def iter_tensor_cache(folder: Path, verify: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor in the cache at `folder`, one at a time.
 
     Each shard's presence, size and (with `verify`) md5 are checked before it is read, so a damaged
     bundle fails with a WeightsError naming the shard instead of producing garbage. Arrays are
     independent, writable copies read with `np.fromfile`.
     """
     folder = Path(folder)
-    out: dict[str, np.ndarray] = {}
     for shard in _load_index(folder)["records"]:
         path = _check_shard(folder, shard, verify)
         for rec in shard["records"]:
@@ -372,5 +376,4 @@ def read_tensor_cache(folder: Path, verify: bool = True) -> dict[str, np.ndarray
                 raise WeightsError(f"tensor {name} does not fit its record (shape {list(shape)} {rec['dtype']}, "
                                    f"{nbytes} bytes at offset {offset})", path=path, fix=REBUILD_FIX)
             arr = np.fromfile(path, dtype=dtype.newbyteorder("<"), count=count, offset=offset)
-            out[name] = arr.astype(dtype, copy=False).reshape(shape)
-    return out
+            yield name, arr.astype(dtype, copy=False).reshape(shape)

@@ -68,3 +68,49 @@ def test_decode_keeps_the_unpack_in_registers():
     text = sch.mod["main"].script()
     assert 'sblock("dequantize' not in text
     np.testing.assert_allclose(_run(sch.mod["main"], 1), _run(func, 1), rtol=1e-5, atol=1e-4)
+
+
+def _float_gemv_func(weight_dtype: str, k_last: bool = True, bias: bool = False):
+    """One token times float weights: NT (W[n, k], read along K) or NN (W[k, n]), widened to fp32 in a
+    separate cast block (as q0f16 on a CPU target fuses it), optionally with a bias-add epilogue."""
+    x = te.placeholder((1, 1, K), "float32", name="x")
+    w = te.placeholder((N, K) if k_last else (K, N), weight_dtype, name="w")
+    wide = te.compute(w.shape, lambda a, b: w[a, b].astype("float32"), name="cast")
+    k = te.reduce_axis((0, K), name="k")
+    out = te.compute((1, 1, N), lambda b, i, j: te.sum(x[b, i, k] * (wide[j, k] if k_last else wide[k, j]), axis=k),
+                     name="NT_matmul")
+    args = [x, w]
+    if bias:
+        bvec = te.placeholder((N,), "float32", name="bias")
+        out = te.compute((1, 1, N), lambda b, i, j: out[b, i, j] + bvec[j], name="add")
+        args.append(bvec)
+    return te.create_prim_func([*args, out]).with_attr("global_symbol", "main")
+
+
+@pytest.mark.parametrize("weight_dtype,bias", [("float16", False), ("float32", False), ("float16", True)])
+def test_float_gemv_splits_k_into_vector_partial_sums(weight_dtype, bias, monkeypatch):
+    """q0f16 / q0f32 decode GEMVs: K split into FLOAT_LANES partial sums (rfactor), the weight's cast
+    inlined and a bias add done per output tile, same result as the unscheduled function (fp32
+    reassociation only)."""
+    import pipeline.cpu_schedule as cs
+
+    monkeypatch.setattr(cs, "SERIAL_WORK", 1)     # this test's 72 x 96 GEMV is below the fork-join size
+    func = _float_gemv_func(weight_dtype, bias=bias)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    assert 'sblock("NT_matmul_rf' in text and "T.parallel" in text
+    assert 'sblock("cast"' not in text
+    if bias:
+        assert text.index("T.parallel") < text.index('sblock("add"')
+    np.testing.assert_allclose(_run(sch.mod["main"], 1), _run(func, 1), rtol=1e-5, atol=1e-4)
+
+
+def test_float_gemv_leaves_weights_read_across_k_alone(monkeypatch):
+    """W[k, n] read along K would gather: not split (the general path handles it)."""
+    import pipeline.cpu_schedule as cs
+
+    monkeypatch.setattr(cs, "SERIAL_WORK", 1)
+    func = _float_gemv_func("float32", k_last=False)
+    assert cs._float_gemv(func) is None
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    np.testing.assert_allclose(_run(sch.mod["main"], 1), _run(func, 1), rtol=1e-5, atol=1e-4)
