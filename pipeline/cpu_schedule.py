@@ -182,14 +182,14 @@ def _float_gemv(func: tirx.PrimFunc):
     (a float reduction cannot be vectorized without reassociation): 1.7 GB/s. None if not such a kernel."""
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
-    reductions = [b for b in blocks if "R" in _iter_kinds(sch, b)]
+    reductions = [i for i, b in enumerate(blocks) if "R" in _iter_kinds(sch, b)]
     if len(reductions) != 1:
         return None
-    at = [sch.get(b).name_hint for b in blocks].index(sch.get(reductions[0]).name_hint)
-    for block in blocks[:at]:
-        sch.compute_inline(block)               # a cast of the weight: widened where it is read
+    at = reductions[0]
+    block = blocks[at]
+    for producer in blocks[:at]:
+        sch.compute_inline(producer)            # a cast of the weight: widened where it is read
     epilogues = [sch.get(b).name_hint for b in blocks[at + 1:]]   # a bias / residual add
-    block = reductions[0]
     loops, kinds = sch.get_loops(block), _iter_kinds(sch, block)
     if kinds[-1] != "R" or kinds.count("R") != 1 or len(loops) != len(kinds) or len(loops) < 2:
         return None

@@ -33,9 +33,7 @@ def quantize_q4(w: np.ndarray, layout: str = "NK") -> tuple[np.ndarray, np.ndarr
     half the smallest fp16 step times 7, which get code ZERO (value 0).
     """
     n, k = w.shape
-    if k % GROUP:
-        raise ValueError(f"reduction dim {k} is not a multiple of the group size {GROUP}")
-    groups = w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)
+    groups = _groups(w)
     codes = np.empty((n, k // GROUP, GROUP), np.uint8)
     scale16 = np.empty((n, k // GROUP), np.float16)
     step = max(1, _ROWS_PER_CHUNK_ELEMS // k)
@@ -81,13 +79,18 @@ def _levels(g: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.clip(q, Q4_LOW, Q4_HIGH, out=q)
 
 
-def _scaled_groups(w: np.ndarray, max_code: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric group-32 scaling shared by q4 and q8: (rint(w / scale) as float32 [N, K/32, 32], the fp16
-    scale max|w| / max_code [N, K/32]). Codes use the fp16-rounded scale; a zero scale divides by 1."""
+def _groups(w: np.ndarray) -> np.ndarray:
+    """[N, K] -> float32 view / copy [N, K/32, 32] (groups along the reduction axis)."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"reduction dim {k} is not a multiple of the group size {GROUP}")
-    groups = w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)
+    return w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)
+
+
+def _scaled_groups(w: np.ndarray, max_code: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric group-32 scaling (q8): (rint(w / scale) as float32 [N, K/32, 32], the fp16 scale
+    max|w| / max_code [N, K/32]). Codes use the fp16-rounded scale; a zero scale divides by 1."""
+    groups = _groups(w)
     amax = np.abs(groups).max(axis=-1)
     amax /= max_code
     scale16 = amax.astype(np.float16)
