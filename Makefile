@@ -19,6 +19,7 @@ RPC     ?=
 TRIALS  ?= 32
 KERNELS ?=
 VERIFY  ?=
+CALIB   ?=
 RELEASE ?= configs/release/default.yaml
 RELEASE_OUT ?=
 
@@ -64,7 +65,7 @@ system-deps:
 	fi
 
 build: $(STAMP)
-	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE)) $(if $(FORCE_CPU),--force-cpu $(FORCE_CPU)) $(if $(filter 1,$(VERIFY)),--verify)$(if $(filter 0,$(VERIFY)),--no-verify)
+	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE)) $(if $(FORCE_CPU),--force-cpu $(FORCE_CPU)) $(if $(filter 1,$(VERIFY)),--verify)$(if $(filter 0,$(VERIFY)),--no-verify) $(if $(CALIB),--calibration $(CALIB))
 
 run: $(STAMP)
 	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT)

@@ -2,7 +2,7 @@
 
 The sdist (a registry package, fetched with pip, no git or network beyond the package index) carries
 `vendor/llama.cpp` with the HF converter and the tools. This builds only the tools the benchmarks run
-(llama-quantize, llama-perplexity, llama-bench; CPU backend, native ISA) into a cache folder that is
+(llama-quantize, llama-perplexity, llama-bench, llama-imatrix; CPU backend, native ISA) into a cache folder that is
 never committed, and reuses it when present:
 
     .cache/llama.cpp/<version>/llama_cpp_python-<version>.tar.gz   the sdist
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.3.36"
 CACHE = Path(os.environ.get("LLAMA_CPP_CACHE", ROOT / ".cache" / "llama.cpp"))
-TOOLS = ("llama-quantize", "llama-perplexity", "llama-bench")
+TOOLS = ("llama-quantize", "llama-perplexity", "llama-bench", "llama-imatrix")
 # CPU backend only; nothing that fetches or serves.
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",

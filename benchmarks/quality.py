@@ -241,7 +241,8 @@ def build_ours(entry: dict[str, Any], model: str, out: Path) -> Path:
     from pipeline.stages import run_pipeline
 
     result = run_pipeline(model, "host-cpu", entry["quant"], out=str(out / entry["name"]),
-                          report=Reporter(quiet=True), phone=entry.get("phone"))
+                          report=Reporter(quiet=True), phone=entry.get("phone"),
+                          calibration=entry.get("calibration"))
     return result.bundle
 
 
@@ -311,18 +312,37 @@ def _tool(cmd: list[str], log_path: Path) -> str:
     return text
 
 
-def _quantize(lc, src: Path, dst: Path, qtype: str, work: Path, requantize: bool = False) -> None:
+def _quantize(lc, src: Path, dst: Path, qtype: str, work: Path, requantize: bool = False,
+              imatrix: Path | None = None) -> None:
     if dst.exists():
         return
     tmp = dst.with_suffix(".tmp.gguf")
-    args = [str(lc.tool("llama-quantize"))] + (["--allow-requantize"] if requantize else [])
-    _tool(args + [str(src), str(tmp), qtype, "2"], work / f"quantize-{qtype}.log")
+    args = [str(lc.tool("llama-quantize"))] + (["--allow-requantize"] if requantize else []) \
+        + (["--imatrix", str(imatrix)] if imatrix else [])
+    _tool(args + [str(src), str(tmp), qtype, "2"], work / f"quantize-{dst.stem}.log")
     os.replace(tmp, dst)
 
 
+IMATRIX_SUFFIX = "+imatrix"
+
+
+def _imatrix(lc, base: Path, text: Path, ctx: int, work: Path, threads: int) -> Path:
+    """llama-imatrix's importance matrix of the base on `text` (our calibration text: both sides calibrate
+    on the same tokens), in windows of ctx tokens."""
+    out = work / f"imatrix-{ctx}.gguf"
+    if not out.exists():
+        tmp = work / f"imatrix-{ctx}.tmp.gguf"
+        _tool([str(lc.tool("llama-imatrix")), "-m", str(base), "-f", str(text), "-o", str(tmp), "-c", str(ctx),
+               "-b", str(ctx), "-t", str(threads)], work / "imatrix.log")
+        os.replace(tmp, out)
+    return out
+
+
 def run_llamacpp(lc, gguf_src: Path, text_path: Path, ctx: int, n_windows: int, types: list[str],
-                 base_type: str, work: Path, threads: int = 2, log=print) -> tuple[dict[str, Any], list[int]]:
-    """Base + quantized GGUFs, base perplexity (saving its logits), then KL runs; and the token ids used."""
+                 base_type: str, work: Path, threads: int = 2, log=print,
+                 calibration_text: Path | None = None) -> tuple[dict[str, Any], list[int]]:
+    """Base + quantized GGUFs, base perplexity (saving its logits), then KL runs; and the token ids used.
+    A type `X+imatrix` is X quantized with llama-imatrix's statistics of `calibration_text`."""
     work.mkdir(parents=True, exist_ok=True)
     base = work / f"base-{base_type}.gguf"
     _quantize(lc, gguf_src, base, base_type, work, requantize=True)
@@ -336,9 +356,15 @@ def run_llamacpp(lc, gguf_src: Path, text_path: Path, ctx: int, n_windows: int, 
     log(f"  llama.cpp {base_type}: ppl {results[base_type]['ppl']:.4f}")
     n_ctx, _, tokens = read_kld_tokens(kld_file)
     assert n_ctx == ctx
+    imatrix = None
     for qtype in types:
         dst = work / f"{qtype}.gguf"
-        _quantize(lc, base, dst, qtype, work)
+        if qtype.endswith(IMATRIX_SUFFIX):        # e.g. Q4_0+imatrix: llama.cpp's own calibration
+            if imatrix is None:
+                imatrix = _imatrix(lc, base, calibration_text, ctx, work, threads)
+            _quantize(lc, base, dst, qtype[:-len(IMATRIX_SUFFIX)], work, imatrix=imatrix)
+        else:
+            _quantize(lc, base, dst, qtype, work)
         t0 = time.time()
         out = _tool([str(lc.tool("llama-perplexity")), "-m", str(dst), "--kl-divergence-base", str(kld_file),
                      "--kl-divergence", *common], work / f"perplexity-{qtype}.log")
@@ -469,8 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             lc = llamacpp.ensure_built(jobs=args.jobs)
             gguf_src = load_model(model).weights
+            from pipeline.calibrate import BUILTIN_TEXT
+
             lc_results, lc_tokens = run_llamacpp(lc, gguf_src, text_path, ctx, n_windows, list(cfg["llamacpp"]),
-                                                 cfg["llamacpp_base"], work / "llamacpp")
+                                                 cfg["llamacpp_base"], work / "llamacpp",
+                                                 calibration_text=BUILTIN_TEXT)
             n = n_windows * ctx
             agree = float(np.mean(np.asarray(lc_tokens[:n]) == np.asarray(ours_tokens[:n])))
             tokens, tokens_source = lc_tokens, (f"llama-perplexity's tokenization, used by both sides "

@@ -111,8 +111,14 @@ class QuantSpec:
     # Walsh-Hadamard rotation of linear-layer inputs (all but lm_head), folded into the weights at
     # conversion: the largest power-of-two block <= this dividing K; 0 = none
     rotation: int = 0
+    # calibrated quantization (pipeline/calibrate.py + gptq.py) of q4 / q8 tensors: {text, tokens, window}
+    # or none (round-to-nearest)
+    calibration: Any = None
 
     def __post_init__(self):
+        from .calibrate import CalibrationSpec
+
+        CalibrationSpec.parse(self.calibration, self.path)   # a bad entry fails here, naming the file
         bad = {r: f for r, f in {"*": self.weight_format, **self.formats}.items() if f not in WEIGHT_FORMATS}
         if bad:
             raise ConfigError(f"unknown weight format(s) {bad}", path=self.path,
@@ -127,6 +133,16 @@ class QuantSpec:
         if r and self.ternary_source == "native" and self.ternary:
             raise ConfigError("a rotation makes natively ternary weights non-ternary", path=self.path,
                               fix="set ternary_source: ptq, or rotation: 0 to import ternary weights exactly")
+
+    @property
+    def calibration_spec(self):
+        """calibrate.CalibrationSpec, or None for round-to-nearest; float and ternary schemes never calibrate."""
+        from .calibrate import CalibrationSpec
+
+        formats = {self.weight_format, *self.formats.values()}
+        if not formats & {"q4", "q8"}:
+            return None
+        return CalibrationSpec.parse(self.calibration, self.path)
 
     @property
     def ternary(self) -> bool:

@@ -111,9 +111,13 @@ def _mismatch(ckpt: Any, name: str, want: tuple[int, ...], got: tuple[int, ...])
 
 def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dict[str, tuple[int, ...]],
                 block_bytes: int, on_bytes: Callable[[int], None] | None,
-                bits: int = 4, rotate: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                bits: int = 4, rotate: int = 1, calibrated: Any = None,
+                stats: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Group-quantize the sources of `name` (a .q_weight or .q_scale) block by block -> (codes, scale):
-    int4 packed 8 per uint32 (`bits=4`) or int8 codes (`bits=8`)."""
+    int4 packed 8 per uint32 (`bits=4`) or int8 codes (`bits=8`). `calibrated` (calibrate.CalibratedInput):
+    error feedback instead of round-to-nearest, with the result kept in the calibration's store (NK), so
+    another layout or target of the same weights reuses it; `stats` then sums the output error
+    (`calib_err`) and output energy (`calib_energy`) on the calibration inputs."""
     src_shape = _source_shape(ckpt, name, names)
     n = src_shape[0]
     if len(src_shape) != 2 or src_shape[1] % GROUP:
@@ -131,10 +135,64 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
         raise _mismatch(ckpt, name, shapes[name], mine)
     packed = np.empty(packed_shape, np.uint32 if bits == 4 else np.int8)
     scale = np.empty(scale_shape, np.float16)
+    if calibrated is not None:
+        _convert_calibrated(ckpt, name, names, packed, scale, nk, bits, block_bytes, on_bytes, calibrated, stats)
+        return packed, scale
+    rtn = quantize_q4 if bits == 4 else quantize_q8
     for r0, block in _row_blocks(ckpt, names, block_bytes, rotate):
-        p, s = (quantize_q4 if bits == 4 else quantize_q8)(block, "NK")
+        p, s = rtn(block, "NK")
         _store_rows(packed, scale, r0, p, s, nk, name, on_bytes)
     return packed, scale
+
+
+def _convert_calibrated(ckpt: Any, name: str, names: list[str], packed: np.ndarray, scale: np.ndarray, nk: bool,
+                        bits: int, block_bytes: int, on_bytes: Callable[[int], None] | None, calibrated: Any,
+                        stats: dict[str, float] | None) -> None:
+    """Fill packed / scale (in their layout) with error-feedback quantization of the sources (gptq.py), from
+    the calibration's store when this tensor was done before."""
+    from .gptq import output_error, quantize_rows
+    from .quantize import dequantize_q4, dequantize_q8, pack_q4_levels
+
+    key = calibrated.key(names, bits)
+    hit = calibrated.load(key)
+    if hit is not None:
+        p, s, err, energy = hit
+        _store_rows(packed, scale, 0, p, s, nk, name, on_bytes)
+    else:
+        prep, h = calibrated.prepared(), calibrated.hessian()
+        err = energy = 0.0
+        deq = dequantize_q4 if bits == 4 else dequantize_q8
+        # q/k/v (gate/up) rows in one call: the per-column work is the cost
+        for r0, block in _joined(_row_blocks(ckpt, names, block_bytes), block_bytes):
+            levels, s = quantize_rows(block, prep, "q4" if bits == 4 else "q8")
+            p, s = pack_q4_levels(levels, s) if bits == 4 else (levels.astype(np.int8), s)
+            err += output_error(block, deq(p, s), h)
+            energy += output_error(block, np.zeros_like(block), h)
+            _store_rows(packed, scale, r0, p, s, nk, name, on_bytes)
+        calibrated.save(key, packed if nk else packed.T, scale if nk else scale.T, err, energy)
+    if stats is not None:
+        stats["calib_tensors"] = stats.get("calib_tensors", 0) + 1
+        stats["calib_err"] = stats.get("calib_err", 0.0) + err
+        stats["calib_energy"] = stats.get("calib_energy", 0.0) + energy
+        rel = err / energy if energy else 0.0
+        if rel >= stats.get("calib_worst", -1.0):
+            stats["calib_worst"], stats["calib_worst_name"] = rel, name.rsplit(".", 1)[0]
+
+
+def _joined(blocks: Iterator[tuple[int, np.ndarray]], block_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Consecutive row blocks (of several sources) joined up to about `block_bytes` of float32."""
+    held: list[np.ndarray] = []
+    first = size = 0
+    for r0, block in blocks:
+        if held and size + block.nbytes > block_bytes:
+            yield first, np.concatenate(held) if len(held) > 1 else held[0]
+            held, size = [], 0
+        if not held:
+            first = r0
+        held.append(block)
+        size += block.nbytes
+    if held:
+        yield first, np.concatenate(held) if len(held) > 1 else held[0]
 
 
 def _store_rows(packed: np.ndarray, scale: np.ndarray, r0: int, p: np.ndarray, s: np.ndarray, nk: bool,
@@ -239,13 +297,15 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
                    on_tensor: Callable[[str, int], None] | None = None, start: int = 0,
                    block_bytes: int | None = None,
                    on_bytes: Callable[[int], None] | None = None,
-                   stats: dict[str, float] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+                   stats: dict[str, float] | None = None,
+                   calibration: Any = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) in the model's parameter order, ready for the tensor cache.
 
     `start` skips the first `start` parameters without reading their sources (to resume a conversion);
     `block_bytes` bounds the float32 rows converted at a time; `on_bytes(n)` is called as output bytes
     are produced (block by block), adding up to the bytes of the tensors yielded; `stats` collects ternary
-    conversion statistics (see `_convert_ternary`).
+    conversion statistics (see `_convert_ternary`); `calibration` (calibrate.Calibration): q4 / q8 tensors
+    whose layer input it measured are quantized with error feedback (gptq.py).
     """
     block_bytes = int(block_bytes or DEFAULT_BLOCK_BYTES)
     shapes = {name: tuple(int(x) for x in p.shape) for name, p in params}
@@ -258,7 +318,7 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
             continue
         shape = shapes[name]
         if name in parts:
-            arr = _next_part(ckpt, name, parts, pending, dtypes, layout, tied, block_bytes)
+            arr = _next_part(ckpt, name, parts, pending, dtypes, layout, tied, block_bytes, calibration, stats)
             if on_bytes:
                 on_bytes(arr.nbytes)
         elif name in pending:
@@ -277,8 +337,10 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
                                                  attrs, stats)
             else:
                 bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
+                rotate = int(attrs.get("rotate", 1))
                 packed, scale = _convert_q4(ckpt, name, sources, tensor_layout, shapes, block_bytes, on_bytes,
-                                            bits=bits, rotate=int(attrs.get("rotate", 1)))
+                                            bits=bits, rotate=rotate, stats=stats,
+                                            calibrated=_calibrated(calibration, base, tied, rotate))
             is_weight = name.endswith(".q_weight")
             arr = packed if is_weight else scale
             pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed
@@ -316,7 +378,8 @@ def _split_parts(params: list[tuple[str, Any]], layout: str) -> dict[str, tuple[
 
 
 def _next_part(ckpt: Any, name: str, parts: dict[str, tuple[str, int, int, int]], pending: dict[str, np.ndarray],
-               dtypes: dict[str, str], layout: str, tied: bool, block_bytes: int) -> np.ndarray:
+               dtypes: dict[str, str], layout: str, tied: bool, block_bytes: int, calibration: Any = None,
+               stats: dict[str, float] | None = None) -> np.ndarray:
     """One part of a split tensor: the whole tensor is converted once (as if unsplit, so the values are
     bit-identical) and kept until its last part is taken."""
     whole, axis, start, stop = parts[name]
@@ -327,7 +390,8 @@ def _next_part(ckpt: Any, name: str, parts: dict[str, tuple[str, int, int, int]]
             tensor_layout = "NK" if base.endswith("embed_tokens") else layout
             bits = 8 if dtypes.get(base + ".q_weight.0") == "int8" else 4
             codes, scale = _convert_q4(ckpt, whole, _source_names(ckpt, whole, tied), tensor_layout, {},
-                                       block_bytes, None, bits=bits)
+                                       block_bytes, None, bits=bits, stats=stats,
+                                       calibrated=_calibrated(calibration, base, tied))
             pending[base + ".q_weight"], pending[base + ".q_scale"] = codes, scale
         else:
             names = _source_names(ckpt, whole, tied)
@@ -339,3 +403,11 @@ def _next_part(ckpt: Any, name: str, parts: dict[str, tuple[str, int, int, int]]
     if stop == arr.shape[axis]:
         del pending[whole]
     return part
+
+
+def _calibrated(calibration: Any, base: str, tied: bool, rotate: int = 1) -> Any:
+    """calibrate.CalibratedInput for parameter `base` when the calibration measures its layer's input; None
+    otherwise (an untied embedding, a rotated input, no calibration): round-to-nearest."""
+    if calibration is None or rotate > 1:
+        return None
+    return calibration.input_of(base, tied)

@@ -752,7 +752,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def write_tokenizer(self, dest: Path) -> list[str]:
         dest = Path(dest)
-        built = _build_tokenizer(self._file.parent, self._file.name, self._file)
+        if getattr(self, "_tokenizer_files", None) is None:   # rebuilding parses the whole GGUF (~8 s)
+            self._tokenizer_files = _build_tokenizer(self._file.parent, self._file.name, self._file)
+        built = dict(self._tokenizer_files)
         template = self._field("tokenizer.chat_template")
         if template and "chat_template.jinja" not in built:
             has_template = False

@@ -42,9 +42,20 @@ def quantize_q4(w: np.ndarray, layout: str = "NK") -> tuple[np.ndarray, np.ndarr
         q += ZERO
         codes[r:r + step] = q
         scale16[r:r + step] = s
+    return _in_layout(_pack_nibbles(codes.reshape(n, k)), scale16, layout)
+
+
+def pack_q4_levels(levels: np.ndarray, scale16: np.ndarray, layout: str = "NK") -> tuple[np.ndarray, np.ndarray]:
+    """Levels [N, K] (integers in [-7, 8], e.g. from gptq.quantize_rows) + fp16 scales -> the stored pair."""
+    codes = (np.asarray(levels) + ZERO).astype(np.uint8)
+    return _in_layout(_pack_nibbles(codes), np.asarray(scale16, np.float16), layout)
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes [N, K] -> uint32 [N, K/8], code of k at nibble k % 8 of a little-endian word."""
+    n, k = codes.shape
     pairs = codes.reshape(n, k // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).view("<u4").astype(np.uint32, copy=False)
-    return _in_layout(packed, scale16, layout)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).view("<u4").astype(np.uint32, copy=False)
 
 
 def _search_groups(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -110,11 +110,12 @@ def convert_weights(ckpt: Any, params: list[tuple[str, Any]], layout: str, final
                     tied: bool = False, metadata: dict | None = None, shard_cap_bytes: int | None = None,
                     block_bytes: int | None = None,
                     after_shard: Callable[[int], None] | None = None,
-                    stats: dict | None = None) -> Path:
+                    stats: dict | None = None, calibration: Any = None) -> Path:
     """Convert `params` from `ckpt` into the tensor cache `final`, resuming an interrupted run.
 
     `after_shard(n)` (tests) is called after the n-th shard finished by this call has been journaled;
-    `stats` collects conversion statistics (ternary error) of the tensors converted by this call.
+    `stats` collects conversion statistics (ternary error) of the tensors converted by this call;
+    `calibration` (calibrate.Calibration) selects calibrated quantization (see convert.iter_converted).
     """
     from .bundle import _swap_in, raise_if_disk_full
     from .convert import iter_converted
@@ -155,7 +156,8 @@ def convert_weights(ckpt: Any, params: list[tuple[str, Any]], layout: str, final
         try:
             with report.bytes_bar("quantize", sum(sizes), completed=done) as advance, writer:
                 for name, arr in iter_converted(ckpt, params, layout, tied=tied, start=start,
-                                                block_bytes=block_bytes, on_bytes=advance, stats=stats):
+                                                block_bytes=block_bytes, on_bytes=advance, stats=stats,
+                                                calibration=calibration):
                     before = writer.shards_finished
                     writer.add(name, arr)
                     del arr                   # on disk now; do not hold it while the next one converts

@@ -8,6 +8,7 @@ rebuild only re-checks keys and re-emits the bundle.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -136,10 +137,11 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
         return None
     _report_unused(loaded.checkpoint, report)
     # conversion options ride on the parameters' attrs (ternary format/source, rotation): part of the key
+    calib = quant.calibration_spec
     key = _digest({"weights": loaded.checkpoint.fingerprint(), "quant": quant.name, "layout": defined.layout,
                    "params": [(n, [int(x) for x in p.shape], p.dtype, *([dict(p.attrs)] if p.attrs else []))
                               for n, p in defined.params],
-                   "code": source_hash()})
+                   "code": source_hash(), **({"calibration": calib.identity()} if calib else {})})
     out = cache_root() / "weights" / key
     ptq = quant.ternary and quant.ternary_source == "ptq"
     if ptq:
@@ -150,11 +152,32 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
         report.info(f"quantize: cache hit ({out.name})")
         return out
     stats: dict[str, float] = {}
-    result = convert_weights(loaded.checkpoint, defined.params, defined.layout, out, report=report,
-                             tied=loaded.decoder.tie_word_embeddings,
-                             metadata={"ParamSize": len(defined.params)}, stats=stats)
+    with _calibration(loaded, calib, report) as calibration:
+        result = convert_weights(loaded.checkpoint, defined.params, defined.layout, out, report=report,
+                                 tied=loaded.decoder.tie_word_embeddings,
+                                 metadata={"ParamSize": len(defined.params)}, stats=stats, calibration=calibration)
     _report_ternary(quant, stats, report)
+    if stats.get("calib_tensors"):
+        rel = (stats["calib_err"] / stats["calib_energy"]) ** 0.5 if stats["calib_energy"] else 0.0
+        report.info(f"quantize: {int(stats['calib_tensors'])} tensors calibrated; relative output error "
+                    f"||(W - Q) x|| / ||W x|| on the calibration text {rel:.1%} overall, worst "
+                    f"{stats['calib_worst'] ** 0.5:.1%} ({stats['calib_worst_name']})")
     return result
+
+
+@contextlib.contextmanager
+def _calibration(loaded: Loaded, spec: Any, report: Reporter):
+    """A calibrate.Calibration (None for round-to-nearest schemes)."""
+    if spec is None:
+        yield None
+        return
+    from .calibrate import Calibration
+
+    tmp = cache_root() / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    with Calibration(loaded.checkpoint, loaded.hf_config, spec, report, work_dir=tmp,
+                     store=cache_root() / "calibrated") as calibration:
+        yield calibration   # measured on first use: not at all when every tensor is in the store
 
 
 def _report_ternary(quant: QuantSpec, stats: dict[str, float], report: Reporter) -> None:
@@ -462,12 +485,26 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
                     "versions": tvm_versions(), "tuning": database_digest(target.name)})
 
 
+def _with_calibration(quant: QuantSpec, calibration: str | None) -> QuantSpec:
+    """The scheme with its calibration text replaced (--calibration), checked like the YAML entry."""
+    import dataclasses
+
+    if calibration is None:
+        return quant
+    if calibration in ("none", "off"):
+        return dataclasses.replace(quant, calibration=None)
+    base = dict(quant.calibration) if isinstance(quant.calibration, dict) else {}
+    return dataclasses.replace(quant, calibration={**base, "text": calibration})
+
+
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
                  report: Reporter | None = None, phone: str | dict | None = None,
-                 force_cpu: str | None = None, verify: bool | None = None) -> BuildResult:
+                 force_cpu: str | None = None, verify: bool | None = None,
+                 calibration: str | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
     and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py).
-    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`)."""
+    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`).
+    `calibration`: none | builtin | a text file, replacing the scheme's calibration text (see calibrate.py)."""
     import dataclasses
 
     from .config import load_phone
@@ -478,12 +515,14 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     target_spec = load_target(target)
     if phone is not None:
         target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
-    quant_spec = load_quant(quant)
+    quant_spec = _with_calibration(load_quant(quant), calibration)
     model_spec = load_model(model, weights)
     from .force_cpu import reasons
 
     forced = reasons(target_spec, force_cpu)   # an unknown op class fails here, before any work
-    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify])
+    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify,
+                   *([quant_spec.calibration_spec.identity() if quant_spec.calibration_spec else None]
+                     if calibration is not None else [])])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
     onnx = is_onnx(model_spec)
     if onnx:

@@ -8,19 +8,14 @@ scheme names, visible in the library's parameter dtypes.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
+from bundle_weights import bundle_reference
 
 from pipeline.config import load_quant
-from pipeline.quantize import dequantize_q4, dequantize_q8, quantize_q4, quantize_q8
+from pipeline.quantize import dequantize_q8, quantize_q8
 from pipeline.runner import Bundle
-
-ROLE_OF = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-           "up_proj": "gate_up_proj", "down_proj": "down_proj", "o_proj": "o_proj", "embed_tokens": "embed_tokens",
-           "lm_head": "lm_head"}
 
 
 @pytest.mark.parametrize("layout", ["NK", "KN"])
@@ -45,26 +40,6 @@ def test_unknown_format_is_a_config_error(tmp_path):
         QuantSpec(name="bad", weight_format="q4", formats={"lm_head": "q3"}, path=tmp_path / "bad.yaml")
 
 
-def _role(name: str) -> str:
-    return next(role for key, role in ROLE_OF.items() if key in name)
-
-
-def dequantized(model, formats: dict[str, str], default: str):
-    """The torch model with every 2-D weight replaced by our dequantization in the format of its role."""
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.dim() != 2 or p.shape[1] % 32:
-                continue
-            fmt = formats.get(_role(name), default)
-            w = p.float().numpy()
-            if fmt == "q4":
-                p.copy_(torch.from_numpy(dequantize_q4(*quantize_q4(w, "NK"), "NK")))
-            elif fmt == "q8":
-                p.copy_(torch.from_numpy(dequantize_q8(*quantize_q8(w, "NK"), "NK")))
-    return ref
-
-
 @pytest.mark.parametrize("scheme", ["q8f16", "mixed"])
 def test_scheme_matches_its_dequantized_reference(tmp_path_factory, build_bundle, scheme):
     from test_model_numerics import tiny_hf_model
@@ -84,6 +59,6 @@ def test_scheme_matches_its_dequantized_reference(tmp_path_factory, build_bundle
     ids = np.random.default_rng(2).integers(0, 512, 48)
     ours = engine.prefill(list(ids), all_logits=True)
     with torch.no_grad():
-        ref = dequantized(model, quant.formats, quant.weight_format)(torch.tensor([ids])).logits[0].numpy()
+        ref = bundle_reference(model, bundle.path)(torch.tensor([ids])).logits[0].numpy()
     diff, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
     assert diff <= 2e-2 * scale, f"{scheme}: max |Δ| {diff:.3g} vs logit scale {scale:.3g}"

@@ -21,7 +21,12 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quant,layout", [("q4f16_1", "NK"), ("q4f16_0", "KN")])
-def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout):
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout, calibrated):
+    """Uncalibrated: TVM's arrays equal an independent quantize_q4 of the checkpoint tensors. Calibrated
+    (the presets' default): equal to what our own reader returns, and the codes differ from rounding."""
+    import dataclasses
+
     import tvm
     from tvm.contrib import tvmjs
 
@@ -29,15 +34,27 @@ def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout):
     from pipeline.progress import Reporter
     from pipeline.quantize import quantize_q4
     from pipeline.stages import define, load, quantize
+    from pipeline.tensor_cache import read_tensor_cache
 
     folder, state = tiny_llama
     loaded = load(load_model(str(folder)))
-    defined = define(loaded, load_quant(quant), load_target("host-cpu"))
-    cache_dir = quantize(loaded, defined, load_quant(quant), Reporter(quiet=True))
+    scheme = load_quant(quant)
+    assert scheme.calibration_spec is not None
+    if not calibrated:
+        scheme = dataclasses.replace(scheme, calibration=None)
+    defined = define(loaded, scheme, load_target("host-cpu"))
+    cache_dir = quantize(loaded, defined, scheme, Reporter(quiet=True))
     params, _meta = tvmjs.load_tensor_cache(str(cache_dir), tvm.cpu())
     assert {n for n, _ in defined.params} == set(params)
-
     qkv = np.concatenate([state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"], axis=0)
+    rounded, _ = quantize_q4(qkv, layout)
+    if calibrated:
+        ours = read_tensor_cache(cache_dir)
+        for name, arr in ours.items():
+            np.testing.assert_array_equal(params[name].numpy(), arr)
+        assert not np.array_equal(ours["model.layers.1.self_attn.qkv_proj.q_weight"], rounded)
+        return
+
     packed, scale = quantize_q4(qkv, layout)
     np.testing.assert_array_equal(params["model.layers.1.self_attn.qkv_proj.q_weight"].numpy(), packed)
     np.testing.assert_array_equal(params["model.layers.1.self_attn.qkv_proj.q_scale"].numpy(), scale)
