@@ -9,10 +9,15 @@ down_proj, in_proj, out_proj, lm_head, embed_tokens) stored in format f contribu
 
     E_r(f) = eps_r(f) * W_r,      W_r = sum over its rows of (number of heads that read the row)
 
-* eps_r(f): relative mean-square quantization error mean((w - deq(w))^2) / mean(w^2) of format f
-  (q4 / q8: group-32 with fp16 scales, see quantize.py; float: 0). **Measured** on a sample of the role's real
-  weights when a checkpoint is given (16-row blocks spread over up to 4 tensors per role), otherwise the
-  value for Gaussian weights (q4 ~ 7.1e-3, q8 ~ 2.9e-5, measured once with numpy and fixed below).
+* eps_r(f): the relative error format f gives role r, **measured** on a sample of the role's real weights
+  when a checkpoint is given (16-row blocks spread over up to 4 tensors per role), as the build will store
+  them. With calibration (the scheme's `calibration`, see calibrate.py) it is the layer's relative output
+  error on the calibration text, tr(D H D^T) / tr(W H W^T) with D = W - deq(W), H = E[x x^T] of the
+  layer's input and W rounded by the same error feedback as the build (gptq.py) — the sensitivity of the
+  layer's output, not of its weights. Without calibration, or for a role with no measured input (an untied
+  embedding: a gather), it is the weight-space mean((w - deq(w))^2) / mean(w^2) of round-to-nearest
+  (quantize.py). With no checkpoint: the value for Gaussian weights (q4 ~ 7.1e-3, q8 ~ 2.9e-5, measured
+  once with numpy and fixed below).
 * W_r: GQA-aware parameter weight. Each k/v row of a full-attention layer serves num_heads / num_kv_heads
   query heads (6 in qwen27b), so its error counts that many times; in Gated-DeltaNet, each q/k row of the
   fused input projection serves value_heads / key_heads heads (3). Every other row counts once.
@@ -65,36 +70,80 @@ def role_weights(hf_config: dict) -> dict[str, float]:
     return params
 
 
-def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4) -> dict[str, dict[str, float]]:
-    """eps_r(f) from samples of the checkpoint's own weights (q4 and q8 round trips)."""
+def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, calibration: Any = None,
+                 tied: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """(eps_r(f) from samples of the checkpoint's own weights, {role: how it was measured}): output error
+    with the calibration's layer inputs where it has them, weight-space error of rounding otherwise."""
     import numpy as np
 
     from .quantize import dequantize_q4, dequantize_q8, quantize_q4, quantize_q8
 
     out: dict[str, dict[str, float]] = {}
+    how: dict[str, str] = {}
     names = ckpt.names()
     for role in roles:
         tensors = [n for n in names if n.endswith(_HF_KEYS.get(role, ())) and len(ckpt.shape(n)) == 2][:4]
         err = {"q4": 0.0, "q8": 0.0}
         total = 0.0
+        kinds = set()
         for name in tensors:
             n_rows, k = ckpt.shape(name)
             if k % 32:
                 continue
+            layer = _calibrated_input(calibration, name, tied)
+            kinds.add("output" if layer else "weights")
             for b in range(blocks):
                 start = (n_rows - rows) * b // max(1, blocks - 1) if n_rows > rows else 0
                 w = ckpt.get_rows(name, start, min(n_rows, start + rows)).astype(np.float32)
-                total += float((w * w).sum())
-                err["q4"] += float(((dequantize_q4(*quantize_q4(w)) - w) ** 2).sum())
-                err["q8"] += float(((dequantize_q8(*quantize_q8(w)) - w) ** 2).sum())
+                if layer is None:
+                    total += float((w * w).sum())
+                    err["q4"] += float(((dequantize_q4(*quantize_q4(w)) - w) ** 2).sum())
+                    err["q8"] += float(((dequantize_q8(*quantize_q8(w)) - w) ** 2).sum())
+                else:
+                    e, t = _output_errors(w, layer)
+                    total += t
+                    err["q4"] += e["q4"]
+                    err["q8"] += e["q8"]
         if total > 0:
             out[role] = {"q4": err["q4"] / total, "q8": err["q8"] / total, "float": 0.0}
-    return out
+            how[role] = "+".join(sorted(kinds))
+    return out, how
+
+
+def _calibrated_input(calibration: Any, hf_name: str, tied: bool) -> Any:
+    """The calibration's input of the linear layer holding checkpoint tensor `hf_name`, or None."""
+    if calibration is None or not hf_name.endswith(".weight"):
+        return None
+    from .convert import TEXT_PREFIXES
+
+    module = hf_name[: -len(".weight")]
+    for prefix in TEXT_PREFIXES:            # model.language_model.layers... -> model.layers...
+        if module.startswith(prefix):
+            module = "model." + module[len(prefix):]
+    if module == "model.embed_tokens":
+        return calibration.input_of("model.embed_tokens", tied)
+    return calibration.input_of(module, tied)
+
+
+def _output_errors(w: Any, layer: Any) -> tuple[dict[str, float], float]:
+    """tr(D H D^T) for q4 and q8 (error feedback, as the build stores them) and tr(W H W^T)."""
+    import numpy as np
+
+    from .gptq import output_error, quantize_rows
+
+    h, prep = layer.hessian(), layer.prepared()
+    errs = {}
+    for fmt in ("q4", "q8"):
+        levels, s = quantize_rows(w, prep, fmt)
+        errs[fmt] = output_error(w, levels * np.repeat(s.astype(np.float32), 32, axis=1), h)
+    return errs, output_error(w, np.zeros_like(w), h)
 
 
 def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str = "float16",
-              prefill_chunk: int = 512, ckpt: Any = None, model_name: str = "model") -> dict:
-    """The chosen formats and the memory plan they give; ConfigError when q4 everywhere does not fit."""
+              prefill_chunk: int = 512, ckpt: Any = None, model_name: str = "model",
+              calibration: Any = None) -> dict:
+    """The chosen formats and the memory plan they give; ConfigError when q4 everywhere does not fit.
+    `calibration` (calibrate.Calibration of `ckpt`): eps as calibrated output error (module docstring)."""
     if not phone or not phone.get("app_budget_gb"):
         raise ConfigError("QUANT=auto needs the phone's app memory budget", path=None,
                           fix="give the target a phone: {ram_gb, app_budget_gb, bandwidth_gbs} or pass --phone")
@@ -103,9 +152,16 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     roles = sorted(weights)
     eps = {r: dict(GAUSSIAN_EPS) for r in roles}
     source = "gaussian"
+    how: dict[str, str] = {}
     if ckpt is not None:
-        eps.update(measured_eps(ckpt, roles))
-        source = "measured on the checkpoint's weights"
+        tied = bool(_text_config(hf_config).get("tie_word_embeddings", hf_config.get("tie_word_embeddings")))
+        measured, how = measured_eps(ckpt, roles, calibration=calibration, tied=tied)
+        eps.update(measured)
+        source = ("measured: relative output error on the calibration text (calibrated rounding)"
+                  if "output" in "".join(how.values()) else "measured on the checkpoint's weights (rounding)")
+        weight_space = sorted(r for r, h in how.items() if "weights" in h)
+        if calibration is not None and weight_space:
+            source += f"; weight-space error for {', '.join(weight_space)} (no measured input)"
 
     def evaluate(formats: dict[str, str]) -> tuple[int, dict]:
         mode, groups = modes_for_scheme("q4", "float16", formats)
@@ -140,7 +196,7 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     error = sum(eps[r][formats[r]] * weights[r] for r in roles) / sum(weights.values())
     q4_error = sum(eps[r]["q4"] * weights[r] for r in roles) / sum(weights.values())
     return {"phone": phone, "context": context, "budget_bytes": int(budget), "total_bytes": total,
-            "formats": formats, "steps": steps, "eps_source": source,
+            "formats": formats, "steps": steps, "eps_source": source, "eps_measured_as": how,
             "eps": {r: eps[r] for r in roles}, "role_weights": weights,
             "weighted_error": error, "weighted_error_all_q4": q4_error,
             "weights_bytes": plan["weights_total"]["bytes"], "plan": plan}
@@ -151,7 +207,7 @@ def auto_markdown(result: dict) -> str:
     ctx = plan["contexts"][0]
     lines = [f"# QUANT=auto for {p.get('name')} ({p.get('ram_gb')} GB, app budget {p['app_budget_gb']} GB) "
              f"at {result['context']} tokens", "",
-             f"Error model: GQA-weighted relative MSE, eps {result['eps_source']}. Weighted error "
+             f"Error model: GQA-weighted relative error, eps {result['eps_source']}. Weighted error "
              f"{result['weighted_error']:.3g} (q4 everywhere: {result['weighted_error_all_q4']:.3g}).", "",
              "| role | format | bits/weight | weighted params | eps |", "|---|---|---:|---:|---:|"]
     for r, fmt in sorted(result["formats"].items()):

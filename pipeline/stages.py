@@ -125,11 +125,13 @@ def _nbytes(param: Any) -> int:
     return int(np.prod([int(d) for d in param.shape])) * np.dtype(str(param.dtype)).itemsize
 
 
-def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporter) -> Path | None:
+def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporter,
+             calibration: Any = None) -> Path | None:
     """Stream checkpoint tensors through conversion + quantization into a cached tensor cache.
 
     Memory stays bounded (tensors are converted in row blocks) and an interrupted conversion resumes
-    where it stopped on the next run (see `resumable.convert_weights`).
+    where it stopped on the next run (see `resumable.convert_weights`). `calibration`: the run's
+    calibrate.Calibration, shared with QUANT=auto's planning (made here when None and the scheme asks).
     """
     from .resumable import convert_weights
 
@@ -152,7 +154,7 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
         report.info(f"quantize: cache hit ({out.name})")
         return out
     stats: dict[str, float] = {}
-    with _calibration(loaded, calib, report) as calibration:
+    with _calibration(loaded, calib, report, calibration) as calibration:
         result = convert_weights(loaded.checkpoint, defined.params, defined.layout, out, report=report,
                                  tied=loaded.decoder.tie_word_embeddings,
                                  metadata={"ParamSize": len(defined.params)}, stats=stats, calibration=calibration)
@@ -166,10 +168,10 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
 
 
 @contextlib.contextmanager
-def _calibration(loaded: Loaded, spec: Any, report: Reporter):
-    """A calibrate.Calibration (None for round-to-nearest schemes)."""
-    if spec is None:
-        yield None
+def _calibration(loaded: Loaded, spec: Any, report: Reporter, given: Any = None):
+    """A calibrate.Calibration (None for round-to-nearest schemes or without weights); `given` is reused."""
+    if given is not None or spec is None or loaded.checkpoint is None:
+        yield given if spec is not None else None
         return
     from .calibrate import Calibration
 
@@ -398,16 +400,17 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
     return final
 
 
-def choose_formats(loaded: Loaded, quant: QuantSpec, target: TargetSpec,
-                   report: Reporter) -> tuple[QuantSpec, dict[str, str]]:
-    """QUANT=auto: per-role formats that fit the phone (see auto_quant.py); the plan is printed and saved."""
+def choose_formats(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporter,
+                   calibration: Any = None) -> tuple[QuantSpec, dict[str, str]]:
+    """QUANT=auto: per-role formats that fit the phone (see auto_quant.py); the plan is printed and saved.
+    With a calibration, each role's error is its layers' output error on the calibration text."""
     import dataclasses
 
     from .auto_quant import auto_markdown, plan_auto
 
     result = plan_auto(loaded.hf_config, phone=target.phone, context=int(quant.auto_context),
                        compute_dtype=quant.activation_dtype(target), prefill_chunk=loaded.decoder.prefill_chunk_size,
-                       ckpt=loaded.checkpoint, model_name=loaded.spec.name)
+                       ckpt=loaded.checkpoint, model_name=loaded.spec.name, calibration=calibration)
     text = auto_markdown(result)
     report.info(text.rstrip())
     saved = {k: v for k, v in result.items() if k != "plan"}
@@ -538,10 +541,11 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     with report.step(f"load {model_spec.name}"):
         loaded = load(model_spec)
     extra_reports: dict[str, str] = {}
-    if quant_spec.auto_context:
-        quant_spec, extra_reports = choose_formats(loaded, quant_spec, target_spec, report)
-    defined = define(loaded, quant_spec, target_spec, report)
-    weights_dir = quantize(loaded, defined, quant_spec, report)
+    with _calibration(loaded, quant_spec.calibration_spec, report) as calibration:
+        if quant_spec.auto_context:
+            quant_spec, extra_reports = choose_formats(loaded, quant_spec, target_spec, report, calibration)
+        defined = define(loaded, quant_spec, target_spec, report)
+        weights_dir = quantize(loaded, defined, quant_spec, report, calibration)
     lib_dir, info = build(loaded, defined, quant_spec, target_spec, report, force_cpu=force_cpu, verify=verify)
     bundle = emit(loaded, quant_spec, target_spec, weights_dir, lib_dir, info, Path(out), report,
                   request_key=req, extra_reports=extra_reports)

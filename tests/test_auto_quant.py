@@ -84,3 +84,28 @@ def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory):
         weights = [d for n, d in dtypes.items() if n.endswith(f"{role}.q_weight") or n.endswith(f"{role}.weight")]
         want = {"q4": "uint32", "q8": "int8"}.get(fmt)
         assert weights and all(d == want if want else d.startswith("float") for d in weights), (role, weights)
+
+
+def test_calibrated_eps_is_output_error(tmp_path_factory):
+    """With a calibration, each linear role's eps is its layers' relative output error on the calibration
+    inputs (what the build's calibrated rounding leaves); the untied embedding, a gather, keeps the
+    weight-space error. q8 is far below q4 either way."""
+    from test_model_numerics import tiny_hf_model
+
+    from pipeline.auto_quant import measured_eps
+    from pipeline.calibrate import Calibration, CalibrationSpec
+    from pipeline.load import open_checkpoint
+
+    folder, _ = tiny_hf_model(tmp_path_factory.mktemp("eps"), "qwen3")
+    ckpt = open_checkpoint(folder)
+    roles = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens"]
+    plain, plain_how = measured_eps(ckpt, roles)
+    with Calibration(ckpt, ckpt.config, CalibrationSpec(tokens=256, window=64)) as cal:
+        eps, how = measured_eps(ckpt, roles, calibration=cal)
+    assert set(plain_how.values()) == {"weights"}
+    assert how == {**{r: "output" for r in roles}, "embed_tokens": "weights"}
+    assert eps["embed_tokens"] == plain["embed_tokens"]
+    for r in roles:
+        assert 0 < eps[r]["q8"] < eps[r]["q4"] < 0.1, (r, eps[r])
+        if r != "embed_tokens":
+            assert eps[r]["q4"] != plain[r]["q4"]

@@ -138,21 +138,24 @@ def test_shipped_config_names_existing_presets_and_goals():
 
 def test_auto_budgets_give_different_plans():
     """The two auto rows must fit and measure different plans on the default model, as the build plans them
-    (host-cpu compute dtype, the model's prefill chunk, error measured on the GGUF's weights)."""
+    (host-cpu compute dtype, the model's prefill chunk, error measured as calibrated output error)."""
     import yaml
 
     from pipeline.auto_quant import plan_auto
+    from pipeline.calibrate import Calibration
     from pipeline.config import load_model, load_quant, load_target
     from pipeline.stages import load
 
     cfg = yaml.safe_load(q.CONFIG.read_text())
     loaded = load(load_model(cfg["model"]))
     auto = load_quant("auto")
-    kw = dict(context=int(auto.auto_context), compute_dtype=auto.activation_dtype(load_target("host-cpu")),
-              prefill_chunk=loaded.decoder.prefill_chunk_size, ckpt=loaded.checkpoint)
-    plans = [plan_auto(loaded.hf_config, phone=r["phone"], **kw)["formats"]
-             for r in cfg["ours"] if r.get("quant") == "auto"]
-    assert plans[0] != plans[1]
+    with Calibration(loaded.checkpoint, loaded.hf_config, auto.calibration_spec) as calibration:
+        kw = dict(context=int(auto.auto_context), compute_dtype=auto.activation_dtype(load_target("host-cpu")),
+                  prefill_chunk=loaded.decoder.prefill_chunk_size, ckpt=loaded.checkpoint, calibration=calibration)
+        plans = [plan_auto(loaded.hf_config, phone=r["phone"], **kw)
+                 for r in cfg["ours"] if r.get("quant") == "auto"]
+    assert plans[0]["formats"] != plans[1]["formats"]
+    assert plans[0]["eps_measured_as"]["qkv_proj"] == "output"
 
 
 def test_parse_llamacpp_outputs(tmp_path):
