@@ -34,6 +34,7 @@ SCALE_DIVISORS = (7.0, 7.25, 7.5, 7.75, 8.0, 8.25, 8.5, 9.0, 9.5, 10.0)
 DAMP = 0.01
 BLOCK = 128                      # columns whose error feedback is applied lazily as one matrix product
 LEVELS = {"q4": (-7.0, 8.0), "q8": (-127.0, 127.0)}
+BIG_K = 8192                     # above this reduction size H is factorised in float32
 
 
 @dataclass(frozen=True)
@@ -47,19 +48,24 @@ class Prepared:
 
 def prepare(h: np.ndarray, damp: float = DAMP) -> Prepared:
     """Second moment H [K, K] of a layer's input -> the factors the error feedback uses."""
-    h = np.asarray(h, np.float64)
     k = h.shape[0]
-    diag = np.diag(h).copy()
+    diag = np.diag(h).astype(np.float64)
     mean = float(diag.mean()) or 1.0
     order = np.argsort(-diag, kind="stable")
     import torch
 
     # H^-1 = U^T U with U upper triangular, from one factorisation: with J the reversal permutation and
     # J H J = L L^T, U = J L^-1 J (J L^-1 J is upper triangular and U^T U = J L^-T L^-1 J = H^-1)
+    # float64 unless K is large (a 27B's down_proj, K = 17408: 2.4 GB per K x K float64 matrix); the 1%
+    # damping keeps float32 factorisations well conditioned
+    dtype = np.float64 if k <= BIG_K else np.float32
     rev = order[::-1]
-    hr = torch.from_numpy(h[np.ix_(rev, rev)] + np.eye(k) * (damp * mean))
-    low = torch.linalg.cholesky(hr)
+    hr = np.asarray(h, dtype)[np.ix_(rev, rev)]
+    hr[np.diag_indices(k)] += dtype(damp * mean)
+    low = torch.linalg.cholesky(torch.from_numpy(hr))
+    del hr
     low_inv = torch.linalg.solve_triangular(low, torch.eye(k, dtype=low.dtype), upper=False)
+    del low
     upper = low_inv.flip(0).flip(1)
     return Prepared(order, np.ascontiguousarray(upper.numpy(), np.float32),
                     (diag + damp * mean).astype(np.float32))

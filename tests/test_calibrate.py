@@ -200,3 +200,21 @@ def test_calibrated_conversion_is_block_size_independent(tiny_llama):
     changed = {n for n in quantized if not np.array_equal(plain[n], runs[0][n])}
     # every q4 matrix but the (untied) embedding, a gather with no input to weight by, is calibrated
     assert changed == quantized - {"model.embed_tokens.q_weight"}
+
+
+def test_large_inputs_factorise_in_float32(monkeypatch):
+    """Above BIG_K (a 27B's 17408-wide down_proj input) H is factorised in float32 to halve the memory:
+    U^T U still inverts the damped, reordered H, and the rounding matches the float64 path."""
+    x = correlated_inputs(128, 2048)
+    h = x.T.astype(np.float64) @ x / len(x)
+    w = np.random.default_rng(4).standard_normal((16, 128)).astype(np.float32)
+    exact = gptq.prepare(h)
+    monkeypatch.setattr(gptq, "BIG_K", 64)
+    small = gptq.prepare(h)
+    hp = h[np.ix_(small.order, small.order)] + np.eye(128) * gptq.DAMP * np.diag(h).mean()
+    u = small.inv_chol.astype(np.float64)
+    inv = np.linalg.inv(hp)
+    assert np.abs(u.T @ u - inv).max() <= 1e-4 * np.abs(inv).max()
+    a, _ = gptq.quantize_rows(w, exact, "q4")
+    b, _ = gptq.quantize_rows(w, small, "q4")
+    assert np.mean(a == b) >= 0.99

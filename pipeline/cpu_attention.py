@@ -1,0 +1,356 @@
+"""Parallel, vectorized CPU attention kernels for the paged KV cache, in place of TVM's serial ones.
+
+TVM 0.27's KV cache gives LLVM targets its `*_cpu` attention kernels: one thread, scalar loops, and a
+rotary-mode select evaluated per element. On SmolLM2-135M they are most of a prefill (a 512-token prompt
+spends ~9 G scalar multiply-adds in attention across 30 layers) and a growing share of every decode step.
+The kernels here compute the same thing with the same names, signatures and outputs, so the runtime's KV
+cache calls them unchanged:
+
+* every (query row, head) is an independent task of a parallel loop;
+* keys are taken in tiles of TILE: the tile's scores (dot products split into LANES vector partial sums,
+  since LLVM will not reorder a float reduction itself), one rescale of the running output per tile
+  (online softmax, base 2 like TVM's: scores carry log2(e) * sm_scale), then the tile's weighted values
+  added to the output vector;
+* the output is the normalised sum and lse = max + log2(sum), as TVM's kernels return them for the
+  attention-state merge.
+
+They need rotary_mode 0 (RoPE applied when K/Q are written, RopeMode.NORMAL: every model here) and
+head dims that are a multiple of LANES; other cases keep TVM's kernels (see `replace_cpu_attention`).
+A kernel called with rotary_mode 1 stops with an error instead of computing without RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+TILE = 16      # keys per online-softmax step
+LANES = 8      # fp32 lanes of an AVX2 / 2x NEON register: partial sums of a dot product
+LOG2E = math.log2(math.e)
+NEG = -5e4     # TVM's "minus infinity" for the running max
+
+
+@T.macro
+def _tile_scores(part: T.Buffer, sc: T.Buffer, st: T.Buffer, t: T.int32, n_keys: T.int32):
+    """Sum each key's LANES partial products into its score; st[2] = the tile's largest valid score."""
+    st[2] = T.float32(NEG)
+    for jj in range(TILE):
+        sc[jj] = part[jj * LANES]
+        for lane in range(1, LANES):
+            sc[jj] = sc[jj] + part[jj * LANES + lane]
+        if t * TILE + jj < n_keys:
+            st[2] = T.max(st[2], sc[jj])
+
+
+@T.macro
+def _tile_softmax(acc: T.Buffer, sc: T.Buffer, st: T.Buffer, t: T.int32, n_keys: T.int32, d_v: T.int32):
+    """Online softmax step: rescale the running output and sum once if the max grew, then turn the tile's
+    scores into weights 2^(s - max) (added to the running sum)."""
+    if st[2] > st[0]:
+        st[1] = st[1] * T.exp2(st[0] - st[2])
+        for i in T.vectorized(d_v):
+            acc[i] = acc[i] * T.exp2(st[0] - st[2])
+        st[0] = st[2]
+    for jj in range(TILE):
+        if t * TILE + jj < n_keys:
+            sc[jj] = T.exp2(sc[jj] - st[0])
+            st[1] = st[1] + sc[jj]
+
+
+def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
+    """Attention of each sequence's new tokens over its new tokens (causal or not): the prefill of a chunk
+    with nothing cached yet. Signature of TVM's `tir_attention_prefill_ragged_cpu`."""
+    group = h_q // h_kv
+
+    @T.prim_func
+    def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
+                                var_kv_indptr: T.handle, var_q_rope_position: T.handle,
+                                var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
+                                causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32,
+                                rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_off = T.int32()
+        kv_indptr_off = T.int32()
+        q_rope_off = T.int32()
+        k_rope_off = T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d_qk), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_off)
+        k = T.match_buffer(var_k, (kv_len, h_kv, d_qk), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d_v), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_off)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_off)  # noqa: F841 - in the signature, unused (no inline RoPE)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_off)  # noqa: F841 - in the signature, unused (no inline RoPE)
+        output = T.match_buffer(var_output, (qo_len, h_q, d_v), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        assert rotary_mode == 0, "this attention kernel needs RoPE applied before it (RopeMode.NORMAL)"
+        for b in range(batch_size):
+            for task in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
+                acc = T.decl_buffer((d_v,), "float32")
+                qv = T.decl_buffer((d_qk,), "float32")
+                sc = T.decl_buffer((TILE,), "float32")
+                part = T.decl_buffer((TILE * LANES,), "float32")
+                st = T.decl_buffer((3,), "float32")        # running max, running sum, tile max
+                q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                qi: T.let[T.int32] = task // h_q
+                h: T.let[T.int32] = task % h_q
+                row: T.let[T.int32] = q_indptr[b] + qi
+                kv0: T.let[T.int32] = kv_indptr[b]
+                n_keys: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_n - q_n + qi + 1, kv_n), kv_n)
+                for i in T.vectorized(d_qk):
+                    qv[i] = T.Cast("float32", q[row, h, i]) * (sm_scale * LOG2E)
+                for i in T.vectorized(d_v):
+                    acc[i] = T.float32(0)
+                st[0] = T.float32(NEG)
+                st[1] = T.float32(1)     # as TVM's kernels: no keys gives output 0 and lse NEG
+                for t in range((n_keys + TILE - 1) // TILE):
+                    st[2] = T.float32(NEG)
+                    # TILE independent dot products side by side (keys past the end read the last key
+                    # and are masked below): LANES-wide partial sums, keys innermost for parallel FMAs
+                    for x in T.vectorized(TILE * LANES):
+                        part[x] = T.float32(0)
+                    for c in range(d_qk // LANES):
+                        for jj in T.unroll(TILE):
+                            for lane in T.vectorized(LANES):
+                                part[jj * LANES + lane] = part[jj * LANES + lane] + qv[c * LANES + lane] * T.Cast(
+                                    "float32", k[kv0 + T.min(t * TILE + jj, n_keys - 1), h // group, c * LANES + lane])
+                    _tile_scores(part, sc, st, t, n_keys)
+                    _tile_softmax(acc, sc, st, t, n_keys, d_v)
+                    for jj in range(TILE):
+                        if t * TILE + jj < n_keys:
+                            for i in T.vectorized(d_v):
+                                acc[i] = acc[i] + sc[jj] * T.Cast(
+                                    "float32", v[kv0 + t * TILE + jj, h // group, i])
+                for i in T.vectorized(d_v):
+                    output[row, h, i] = T.Cast(dtype, acc[i] / st[1])
+                lse[row, h] = st[0] + T.log2(st[1])
+
+    return batch_prefill_ragged_kv
+
+
+def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+    """One new token per sequence over the sequence's cached pages (no sliding window). Signature of TVM's
+    `tir_attention_decode_cpu`; pages are [page, K|V, head, slot, dim]."""
+    group = h_q // h_kv
+
+    @T.prim_func
+    def batch_decode_paged_kv(q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
+                              page_table_values_handle: T.handle, var_length_info: T.handle,
+                              k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
+                              output_handle: T.handle, lse_handle: T.handle, rotary_mode: T.int32,
+                              rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        indptr_off = T.int32()
+        values_off = T.int32()
+        k_rope_off = T.int32()
+        q_rope_off = T.int32()
+        length_off = T.int32()
+        q = T.match_buffer(q_handle, (B, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=indptr_off)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=values_off)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_off)  # noqa: F841 - in the signature, unused (no inline RoPE)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_off)  # noqa: F841 - in the signature, unused (no inline RoPE)
+        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
+        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_off)
+        assert rotary_mode == 0, "this attention kernel needs RoPE applied before it (RopeMode.NORMAL)"
+        for task in T.parallel(B * h_q):
+            acc = T.decl_buffer((d,), "float32")
+            qv = T.decl_buffer((d,), "float32")
+            sc = T.decl_buffer((TILE,), "float32")
+            part = T.decl_buffer((TILE * LANES,), "float32")
+            st = T.decl_buffer((3,), "float32")
+            b: T.let[T.int32] = task // h_q
+            h: T.let[T.int32] = task % h_q
+            first: T.let[T.int32] = page_table_indptr[b]
+            n_pages: T.let[T.int32] = page_table_indptr[b + 1] - first
+            n_keys: T.let[T.int32] = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
+            for i in T.vectorized(d):
+                qv[i] = T.Cast("float32", q[b, h, i]) * (sm_scale * LOG2E)
+            for i in T.vectorized(d):
+                acc[i] = T.float32(0)
+            st[0] = T.float32(NEG)
+            st[1] = T.float32(1)
+            for t in range((n_keys + TILE - 1) // TILE):
+                st[2] = T.float32(NEG)
+                for x in T.vectorized(TILE * LANES):
+                    part[x] = T.float32(0)
+                for c in range(d // LANES):
+                    for jj in T.unroll(TILE):
+                        for lane in T.vectorized(LANES):
+                            part[jj * LANES + lane] = part[jj * LANES + lane] + qv[c * LANES + lane] * T.Cast(
+                                "float32", pages[page_table_values[first + T.min(t * TILE + jj, n_keys - 1) // page_size],
+                                                 0, h // group, T.min(t * TILE + jj, n_keys - 1) % page_size,
+                                                 c * LANES + lane])
+                _tile_scores(part, sc, st, t, n_keys)
+                _tile_softmax(acc, sc, st, t, n_keys, d)
+                for jj in range(TILE):
+                    if t * TILE + jj < n_keys:
+                        for i in T.vectorized(d):
+                            acc[i] = acc[i] + sc[jj] * T.Cast(
+                                "float32", pages[page_table_values[first + (t * TILE + jj) // page_size], 1, h // group,
+                                                 (t * TILE + jj) % page_size, i])
+            for i in T.vectorized(d):
+                output[b, h, i] = T.Cast(dtype, acc[i] / st[1])
+            lse[b, h] = st[0] + T.log2(st[1])
+
+    return batch_decode_paged_kv
+
+
+def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+    """Each sequence's new tokens over the tokens already in its pages (no sliding window; causal aligns the
+    last query with the last key). Signature of TVM's `tir_attention_prefill_cpu`. TVM's kernel walks the
+    whole page pool (max_num_pages x page_size rows) for every query and head and rescales its output
+    with an out-of-bounds read of a 1-element buffer; this one reads the sequence's keys only."""
+    group = h_q // h_kv
+
+    @T.prim_func
+    def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
+                                   var_page_indptr: T.handle, var_page_values: T.handle,
+                                   var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+                                   var_q_rope_position: T.handle, var_output: T.handle, var_lse: T.handle,
+                                   causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32,
+                                   rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_off = T.int32()
+        page_indptr_off = T.int32()
+        page_values_off = T.int32()
+        k_rope_off = T.int32()
+        q_rope_off = T.int32()
+        length_off = T.int32()
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_off)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_off)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_off)
+        last_page_len = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_off)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_off)  # noqa: F841 - in the signature, unused (no inline RoPE)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_off)  # noqa: F841 - in the signature, unused (no inline RoPE)
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        assert rotary_mode == 0, "this attention kernel needs RoPE applied before it (RopeMode.NORMAL)"
+        for b in range(batch_size):
+            for task in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
+                acc = T.decl_buffer((d,), "float32")
+                qv = T.decl_buffer((d,), "float32")
+                sc = T.decl_buffer((TILE,), "float32")
+                part = T.decl_buffer((TILE * LANES,), "float32")
+                st = T.decl_buffer((3,), "float32")
+                q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                first: T.let[T.int32] = page_indptr[b]
+                n_pages: T.let[T.int32] = page_indptr[b + 1] - first
+                kv_n: T.let[T.int32] = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
+                qi: T.let[T.int32] = task // h_q
+                h: T.let[T.int32] = task % h_q
+                row: T.let[T.int32] = q_indptr[b] + qi
+                n_keys: T.let[T.int32] = T.max(T.if_then_else(causal > 0, T.min(kv_n - q_n + qi + 1, kv_n), kv_n), 0)
+                for i in T.vectorized(d):
+                    qv[i] = T.Cast("float32", q[row, h, i]) * (sm_scale * LOG2E)
+                for i in T.vectorized(d):
+                    acc[i] = T.float32(0)
+                st[0] = T.float32(NEG)
+                st[1] = T.float32(1)
+                for t in range((n_keys + TILE - 1) // TILE):
+                    for x in T.vectorized(TILE * LANES):
+                        part[x] = T.float32(0)
+                    for c in range(d // LANES):
+                        for jj in T.unroll(TILE):
+                            for lane in T.vectorized(LANES):
+                                part[jj * LANES + lane] = part[jj * LANES + lane] + qv[c * LANES + lane] * T.Cast(
+                                    "float32", pages[page_values[first + T.min(t * TILE + jj, n_keys - 1) // page_size],
+                                                     0, h // group, T.min(t * TILE + jj, n_keys - 1) % page_size,
+                                                     c * LANES + lane])
+                    _tile_scores(part, sc, st, t, n_keys)
+                    _tile_softmax(acc, sc, st, t, n_keys, d)
+                    for jj in range(TILE):
+                        if t * TILE + jj < n_keys:
+                            for i in T.vectorized(d):
+                                acc[i] = acc[i] + sc[jj] * T.Cast(
+                                    "float32", pages[page_values[first + (t * TILE + jj) // page_size], 1, h // group,
+                                                     (t * TILE + jj) % page_size, i])
+                for i in T.vectorized(d):
+                    output[row, h, i] = T.Cast(dtype, acc[i] / st[1])
+                lse[row, h] = st[0] + T.log2(st[1])
+
+    return batch_prefill_paged_kv_cpu
+
+
+def _static(dims) -> list[int] | None:
+    out = []
+    for x in dims:
+        if not isinstance(x, tvm.tirx.IntImm):
+            return None
+        out.append(int(x))
+    return out
+
+
+def _ragged_for(func: tvm.tirx.PrimFunc):
+    """Our ragged prefill kernel for TVM's `func` (shapes read off its buffer parameters), or None."""
+    q, _, k, v = func.params[:4]
+    qd, kd, vd = _static(q.shape[1:]), _static(k.shape[1:]), _static(v.shape[1:])
+    if not (qd and kd and vd) or qd[1] % LANES or qd[1] != kd[1] or qd[0] % kd[0] or vd[0] != kd[0]:
+        return None
+    return ragged_prefill(kd[0], qd[0], qd[1], vd[1], str(q.dtype))
+
+
+def _decode_for(func: tvm.tirx.PrimFunc):
+    """Our paged decode kernel for TVM's non-sliding-window `func`, or None."""
+    q, pages = func.params[:2]
+    length_info = func.params[4]
+    qd, pd = _static(q.shape[1:]), _static(pages.shape[1:])
+    if not (qd and pd) or len(length_info.shape) != 1 or pd[0] != 2 or qd[1] != pd[3] or qd[1] % LANES \
+            or qd[0] % pd[1]:
+        return None
+    return paged_decode(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2])
+
+
+def _paged_prefill_for(func: tvm.tirx.PrimFunc):
+    """Our paged prefill kernel for TVM's non-sliding-window `func`, or None."""
+    q, _, pages = func.params[:3]
+    length_info = func.params[5]
+    qd, pd = _static(q.shape[1:]), _static(pages.shape[1:])
+    if not (qd and pd) or len(length_info.shape) != 1 or pd[0] != 2 or qd[1] != pd[3] or qd[1] % LANES \
+            or qd[0] % pd[1]:
+        return None
+    return paged_prefill(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2])
+
+
+# module names of TVM's CPU kernels (their global symbols; the KV cache registers them as
+# tir_attention_prefill_ragged_cpu / tir_attention_decode_cpu / tir_attention_prefill_cpu); the
+# *_sliding_window variants are kept
+REPLACEMENTS = {"batch_prefill_ragged_kv": _ragged_for, "batch_decode_paged_kv_cpu": _decode_for,
+                "batch_prefill_paged_kv_cpu": _paged_prefill_for}
+_PARAMS = {"batch_prefill_ragged_kv": 14, "batch_decode_paged_kv_cpu": 13, "batch_prefill_paged_kv_cpu": 15}
+
+
+@tvm.transform.module_pass(opt_level=0, name="ReplaceSerialCPUAttention")
+def replace_cpu_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Swap TVM's serial CPU attention kernels for the ones above (same name, signature and attributes)
+    when compiling for an LLVM target; a kernel whose shapes they do not cover is kept."""
+    target = tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        return mod
+    for gv, func in list(mod.functions_items()):
+        make = REPLACEMENTS.get(gv.name_hint)
+        if make is None or not isinstance(func, tvm.tirx.PrimFunc) or len(func.params) != _PARAMS[gv.name_hint]:
+            continue
+        fast = make(func)
+        if fast is None:
+            continue
+        for key, value in func.attrs.items():
+            fast = fast.with_attr(key, value)
+        mod[gv] = fast.with_attr("mlp.kernel", "cpu_attention")
+    return mod

@@ -1,0 +1,188 @@
+"""The parallel CPU attention kernels (pipeline/cpu_attention.py) vs a numpy reference, and vs TVM's own
+serial kernels where those are right; builds for LLVM targets use them.
+
+Reference: softmax attention in float64 with TVM's conventions (base-2 log-sum-exp: lse = log2 sum 2^s with
+s = q.k * sm_scale * log2(e); causal aligns the last query with the last key; no keys: output 0, lse -5e4).
+Tolerance 1e-5 (float32 accumulation in a different order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+
+from pipeline import cpu_attention as ca
+
+H_KV, H_Q, D, PAGE = 3, 9, 64, 16
+SM = 1 / math.sqrt(D)
+TOL = 1e-5
+DEV = tvm.cpu()
+
+
+def _compile(func):
+    target = tvm.target.Target({"kind": "llvm"})
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return {"ragged": _compile(ca.ragged_prefill(H_KV, H_Q, D, D, "float32")),
+            "decode": _compile(ca.paged_decode(H_KV, H_Q, D, "float32", PAGE)),
+            "paged": _compile(ca.paged_prefill(H_KV, H_Q, D, "float32", PAGE))}
+
+
+def reference(queries, keys, values, causal):
+    """Per sequence: queries [n, H_Q, D], keys / values [m, H_KV, D] -> (output, lse) concatenated."""
+    outs, lses = [], []
+    for q, k, v in zip(queries, keys, values, strict=True):
+        n, m = len(q), len(k)
+        out, lse = np.zeros((n, H_Q, D)), np.full((n, H_Q), -5e4)
+        for i in range(n):
+            visible = max(min(m - n + i + 1, m), 0) if causal else m
+            for h in range(H_Q):
+                if not visible:
+                    continue
+                s = k[:visible, h // (H_Q // H_KV)].astype(np.float64) @ q[i, h] * SM * math.log2(math.e)
+                p = np.exp2(s - s.max())
+                out[i, h] = p @ v[:visible, h // (H_Q // H_KV)] / p.sum()
+                lse[i, h] = s.max() + math.log2(p.sum())
+        outs.append(out)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def paged(rng, lengths, n_pages=48):
+    """A page pool holding the sequences' keys / values in shuffled pages -> (pool, indptr, values,
+    last page lengths, per-sequence keys, per-sequence values)."""
+    pool = rng.standard_normal((n_pages, 2, H_KV, PAGE, D)).astype(np.float32)
+    order = rng.permutation(n_pages).astype(np.int32)
+    indptr, table, last, keys, vals = [0], [], [], [], []
+    for length in lengths:
+        n = -(-length // PAGE)
+        mine = order[len(table):len(table) + n]
+        table += list(mine)
+        indptr.append(len(table))
+        last.append(length - (n - 1) * PAGE if n else 0)
+        rows = [(mine[j // PAGE], j % PAGE) for j in range(length)]
+        keys.append(np.array([pool[p, 0, :, o] for p, o in rows]).reshape(length, H_KV, D))
+        vals.append(np.array([pool[p, 1, :, o] for p, o in rows]).reshape(length, H_KV, D))
+    return pool, np.array(indptr, np.int32), np.array(table or [0], np.int32), np.array(last, np.int32), keys, vals
+
+
+def _t(x):
+    return tvm.runtime.tensor(np.ascontiguousarray(x), DEV)
+
+
+def _outputs(rows):
+    return _t(np.zeros((rows, H_Q, D), np.float32)), _t(np.zeros((rows, H_Q), np.float32))
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+def test_ragged_prefill(kernels, causal):
+    rng = np.random.default_rng(0)
+    lengths = [37, 5, 16, 1]
+    qs = [rng.standard_normal((n, H_Q, D)).astype(np.float32) for n in lengths]
+    ks = [rng.standard_normal((n, H_KV, D)).astype(np.float32) for n in lengths]
+    vs = [rng.standard_normal((n, H_KV, D)).astype(np.float32) for n in lengths]
+    indptr = np.cumsum([0, *lengths]).astype(np.int32)
+    out, lse = _outputs(indptr[-1])
+    kernels["ragged"](_t(np.concatenate(qs)), _t(indptr), _t(np.concatenate(ks)), _t(np.concatenate(vs)),
+                      _t(indptr), _t(np.zeros(indptr[-1], np.int32)), _t(np.zeros(len(lengths), np.int32)),
+                      out, lse, causal, 0, 1.0, 1e4, SM)
+    ref_out, ref_lse = reference(qs, ks, vs, causal)
+    assert np.abs(out.numpy() - ref_out).max() <= TOL
+    assert np.abs(lse.numpy() - ref_lse).max() <= TOL
+
+
+def test_paged_decode(kernels):
+    rng = np.random.default_rng(1)
+    lengths = [1, 16, 17, 300, 0]                # one key, a full page, one over, many pages, none
+    pool, indptr, table, last, ks, vs = paged(rng, lengths)
+    q = rng.standard_normal((len(lengths), H_Q, D)).astype(np.float32)
+    out, lse = _outputs(len(lengths))
+    zeros = _t(np.zeros(len(lengths), np.int32))
+    kernels["decode"](_t(q), _t(pool), _t(indptr), _t(table), _t(last), zeros, zeros, out, lse, 0, 1.0, 1e4, SM)
+    ref_out, ref_lse = reference([x[None] for x in q], ks, vs, causal=False)
+    assert np.abs(out.numpy() - ref_out).max() <= TOL
+    assert np.abs(lse.numpy() - ref_lse).max() <= TOL
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+def test_paged_prefill(kernels, causal):
+    """New tokens over cached pages (a chunked prefill / a follow-up turn), including a sequence with no
+    cached pages; TVM's own kernel is not the reference here: it rescales its output with an out-of-bounds
+    read of a one-element buffer."""
+    rng = np.random.default_rng(2)
+    q_lengths, kv_lengths = [5, 3, 16, 2], [40, 19, 16, 0]
+    pool, indptr, table, last, ks, vs = paged(rng, kv_lengths)
+    qs = [rng.standard_normal((n, H_Q, D)).astype(np.float32) for n in q_lengths]
+    q_indptr = np.cumsum([0, *q_lengths]).astype(np.int32)
+    out, lse = _outputs(q_indptr[-1])
+    kernels["paged"](_t(np.concatenate(qs)), _t(q_indptr), _t(pool), _t(indptr), _t(table), _t(last),
+                     _t(np.zeros(len(q_lengths), np.int32)), _t(np.zeros(q_indptr[-1], np.int32)),
+                     out, lse, causal, 0, 1.0, 1e4, SM)
+    ref_out, ref_lse = reference(qs, ks, vs, causal)
+    assert np.abs(out.numpy() - ref_out).max() <= TOL
+    assert np.abs(lse.numpy() - ref_lse).max() <= TOL
+
+
+def test_matches_tvm_serial_kernels(kernels):
+    """The ragged prefill and decode kernels agree with TVM's serial CPU ones on the same inputs."""
+    from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_ragged_cpu
+
+    rng = np.random.default_rng(3)
+    tvm_ragged = _compile(_attention_prefill_ragged_cpu(H_KV, H_Q, D, D, "float32", {}))
+    n = 40
+    q, k, v = (rng.standard_normal((n, h, D)).astype(np.float32) for h in (H_Q, H_KV, H_KV))
+    results = []
+    for fn in (kernels["ragged"], tvm_ragged):
+        out, lse = _outputs(n)
+        ptr = _t(np.array([0, n], np.int32))
+        fn(_t(q), ptr, _t(k), _t(v), ptr, _t(np.zeros(n, np.int32)), _t(np.zeros(1, np.int32)), out, lse,
+           1, 0, 1.0, 1e4, SM)
+        results.append((out.numpy(), lse.numpy()))
+    assert np.abs(results[0][0] - results[1][0]).max() <= TOL and np.abs(results[0][1] - results[1][1]).max() <= TOL
+
+    tvm_decode = _compile(_attention_decode_cpu(H_KV, H_Q, D, "float32", False, {}))
+    pool, indptr, table, last, _, _ = paged(rng, [70, 3])
+    q = rng.standard_normal((2, H_Q, D)).astype(np.float32)
+    results = []
+    for fn in (kernels["decode"], tvm_decode):
+        out, lse = _outputs(2)
+        zeros = _t(np.zeros(2, np.int32))
+        fn(_t(q), _t(pool), _t(indptr), _t(table), _t(last), zeros, zeros, out, lse, 0, 1.0, 1e4, SM)
+        results.append((out.numpy(), lse.numpy()))
+    assert np.abs(results[0][0] - results[1][0]).max() <= TOL
+
+
+def test_inline_rope_is_refused(kernels):
+    """rotary_mode 1 (RoPE inside attention) is not implemented: the kernel stops instead of skipping it."""
+    n = 4
+    ptr = _t(np.array([0, n], np.int32))
+    out, lse = _outputs(n)
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((n, h, D)).astype(np.float32) for h in (H_Q, H_KV, H_KV))
+    with pytest.raises(Exception, match="RoPE"):
+        kernels["ragged"](_t(q), ptr, _t(k), _t(v), ptr, _t(np.zeros(n, np.int32)), _t(np.zeros(1, np.int32)),
+                          out, lse, 1, 1, 1.0, 1e4, SM)
+
+
+def test_host_builds_use_them():
+    """The fuse stage swaps TVM's three serial CPU kernels (sliding-window variants stay TVM's)."""
+    from test_coverage import SMALL
+
+    from pipeline.config import ModelSpec, load_quant, load_target
+    from pipeline.stages import Loaded, define, fuse
+
+    target = load_target("host-cpu")
+    from pipeline.models import config_from_hf
+
+    loaded = Loaded(ModelSpec(name="small", hf_config=SMALL, weights=None), SMALL, config_from_hf(SMALL), None)
+    mod = fuse(define(loaded, load_quant("q0f32"), target), target)
+    ours = {gv.name_hint for gv, f in mod.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and "mlp.kernel" in f.attrs}
+    assert ours == set(ca.REPLACEMENTS)
