@@ -55,7 +55,7 @@ def link_harness(objects: list[Path], out: Path) -> Path:
            *map(str, objects), "-lm", "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise PipelineError(f"linking the aarch64 harness failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise PipelineError(f"linking the aarch64 harness failed: {_link_error(done.stderr)}")
     return out
 
 
@@ -101,3 +101,13 @@ class AArch64Kernels:
             for i, arr, dst in results:
                 out[i] = np.frombuffer(dst.read_bytes(), dtype=arr.dtype).reshape(arr.shape).copy()
             return out
+
+
+def _link_error(stderr: str) -> str:
+    """The informative lines of a failed link (undefined references first), not just collect2's summary."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines()]
+    undefined = sorted({ln.split("undefined reference to", 1)[1].strip(" `'") for ln in lines
+                        if "undefined reference to" in ln})
+    if undefined:
+        return "undefined symbols: " + ", ".join(undefined)
+    return " | ".join(lines[-3:])

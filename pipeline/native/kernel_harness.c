@@ -3,7 +3,7 @@
  *
  * The object's start-up code registers every kernel through TVMFFIEnvModRegisterSystemLibSymbol; this file
  * supplies that and the few other runtime symbols the kernels reference (workspace allocation, error
- * reporting), keeps the registered (name, function) table, and calls a kernel through its packed-call ABI
+ * reporting, parallel launch), keeps the registered (name, function) table, and calls a kernel through its packed-call ABI
  * (TVMFFISafeCallType) with DLTensor arguments read from files. Built statically for aarch64 and run under
  * qemu-aarch64 by pipeline/qemu_aarch64.py.
  *
@@ -56,6 +56,30 @@ int TVMBackendFreeWorkspace(int device_type, int device_id, void* ptr) {
   (void)device_type, (void)device_id;
   free(ptr);
   return 0;
+}
+
+/* Parallel loops (e.g. pipeline/cpu_attention.py's kernels) call back through TVM's thread-pool ABI. The
+ * harness runs the tasks one after another on this thread: with HARNESS_TASKS tasks (not one) so the
+ * kernels' work split across tasks is exercised as it is on the phone. */
+typedef struct {
+  void* sync_handle;
+  int32_t num_task;
+} TVMParallelGroupEnv;
+typedef int (*FTVMParallelLambda)(int task_id, TVMParallelGroupEnv* penv, void* cdata);
+#define HARNESS_TASKS 3
+
+int TVMBackendParallelLaunch(FTVMParallelLambda flambda, void* cdata, int num_task) {
+  TVMParallelGroupEnv env = {NULL, num_task > 0 ? num_task : HARNESS_TASKS};
+  for (int task = 0; task < env.num_task; ++task) {
+    int rc = flambda(task, &env, cdata);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
+int TVMBackendParallelBarrier(int task_id, TVMParallelGroupEnv* penv) {
+  (void)task_id, (void)penv;
+  return 0; /* tasks run in order; a kernel that needs a real barrier would be wrong here, none does */
 }
 
 static void* lookup(const char* name) {
