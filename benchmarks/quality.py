@@ -437,6 +437,19 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def regoal(path: Path, goals: list[dict[str, Any]]) -> int:
+    """Rewrite a results file's goal verdicts (and its .md) from its own rows: a goal added to the config
+    after a long run is judged on the same measurements."""
+    result = json.loads(path.read_text())
+    fields = set(Row.__dataclass_fields__)
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in result["rows"]]
+    result["goals"] = goal_verdicts(rows, goals)
+    _write_atomic(path, json.dumps(result, indent=1, default=float) + "\n")
+    _write_atomic(path.with_suffix(".md"), markdown(result))
+    print("\n".join(g["text"] for g in result["goals"]))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -445,7 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, default=CONFIG)
     ap.add_argument("--no-llamacpp", action="store_true", help="only our schemes (no llama.cpp build)")
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs for the llama.cpp build")
+    ap.add_argument("--regoal", type=Path, metavar="RESULTS_JSON",
+                    help="measure nothing: re-judge a results file against the config's current goals")
     args = ap.parse_args(argv)
+    if args.regoal:
+        return regoal(args.regoal, yaml.safe_load(args.config.read_text()).get("goals", []))
 
     from benchmarks import llamacpp
     from pipeline.config import ROOT as PROOT
@@ -476,7 +493,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  building {e['name']} ({e['quant']}, host-cpu) ...", flush=True)
             bundles[e["name"]] = build_ours(e, model, WORK / "dist")
         except Exception as err:   # a failed scheme is a row that says so, the others still run
-            row.available, row.note = False, f"build failed: {str(err).splitlines()[0][:160]}"
+            first = str(err).splitlines()[0]
+            if first.startswith("/") and ": " in first:      # "<weights file>: <what is wrong>": keep the what
+                first = first.split(": ", 1)[1]
+            row.available, row.note = False, f"build failed: {first[:240]}"
             print(f"  {e['name']}: {row.note}")
     base_bundle = bundles["base"]
 

@@ -22,6 +22,19 @@ down_proj, in_proj, out_proj, lm_head, embed_tokens) stored in format f contribu
   query heads (6 in qwen27b), so its error counts that many times; in Gated-DeltaNet, each q/k row of the
   fused input projection serves value_heads / key_heads heads (3). Every other row counts once.
 
+End to end (a checkpoint with a calibration, up to SENSITIVITY_MAX_PARAMS values). A role's output error
+does not say how much it moves the next-token distribution: an error in down_proj or v lands on the
+residual stream as is, one in gate_up_proj is damped by the gating, and the embedding / lm_head touch every
+token. So the calibration also measures, per role, KL_r = mean KL(float || model with only role r rounded
+to q4) on the calibration text (calibrate.Calibration.role_sensitivity: one streamed pass, one hidden-state
+stream per role), and the cost of role r in format f becomes the predicted KL
+
+    C_r(f) = KL_r * eps_r(f) / eps_r(q4 rounded to nearest)
+
+(KL grows with the energy of the error a role injects, eps is that energy relative to the output's; roles
+add, to first order). GQA sharing is then inside the measurement (a shared k/v row's error reaches all
+the heads that read it). Bigger models keep the GQA-weighted eps above (the pass costs roles + 1 forwards).
+
 Search: start with q4 everywhere (the smallest format there is today), refuse if that does not fit, then
 repeatedly apply the upgrade (q4 -> q8 -> float) with the largest error reduction per added byte that
 still fits, until none does. Greedy on a per-role basis: 8 roles, a handful of steps.
@@ -35,6 +48,7 @@ from .errors import ConfigError
 from .memory_plan import ROLE_GROUPS, _dims, _tensors, _text_config, memory_plan, modes_for_scheme
 
 LADDER = ("q4", "q8", "float")
+SENSITIVITY_MAX_PARAMS = 1.0e9   # the end-to-end sensitivity pass (roles + 1 forwards) for models up to this size
 GAUSSIAN_EPS = {"q4": 7.1e-3, "q8": 2.9e-5, "float": 0.0}
 BITS = {"q4": 4.5, "q8": 8.5, "float": 16.0}
 _HF_KEYS = {
@@ -83,7 +97,7 @@ def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, c
     names = ckpt.names()
     for role in roles:
         tensors = [n for n in names if n.endswith(_HF_KEYS.get(role, ())) and len(ckpt.shape(n)) == 2][:4]
-        err = {"q4": 0.0, "q8": 0.0}
+        err = {"q4": 0.0, "q8": 0.0, "rtn_q4": 0.0}
         total = 0.0
         kinds = set()
         for name in tensors:
@@ -99,15 +113,24 @@ def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, c
                     total += float((w * w).sum())
                     err["q4"] += float(((dequantize_q4(*quantize_q4(w)) - w) ** 2).sum())
                     err["q8"] += float(((dequantize_q8(*quantize_q8(w)) - w) ** 2).sum())
+                    err["rtn_q4"] = err["q4"]
                 else:
                     e, t = _output_errors(w, layer)
                     total += t
-                    err["q4"] += e["q4"]
-                    err["q8"] += e["q8"]
+                    for fmt in err:
+                        err[fmt] += e[fmt]
         if total > 0:
-            out[role] = {"q4": err["q4"] / total, "q8": err["q8"] / total, "float": 0.0}
+            out[role] = {"q4": err["q4"] / total, "q8": err["q8"] / total, "float": 0.0,
+                         "rtn_q4": err["rtn_q4"] / total}
             how[role] = "+".join(sorted(kinds))
     return out, how
+
+
+def checkpoint_params(ckpt: Any) -> int:
+    """Number of values in the checkpoint (the size the sensitivity pass's cost scales with)."""
+    import math
+
+    return sum(math.prod(ckpt.shape(n)) for n in ckpt.names())
 
 
 def _calibrated_input(calibration: Any, hf_name: str, tied: bool) -> Any:
@@ -130,12 +153,14 @@ def _output_errors(w: Any, layer: Any) -> tuple[dict[str, float], float]:
     import numpy as np
 
     from .gptq import output_error, quantize_rows
+    from .quantize import dequantize_q4, quantize_q4
 
     h, prep = layer.hessian(), layer.prepared()
     errs = {}
     for fmt in ("q4", "q8"):
         levels, s = quantize_rows(w, prep, fmt)
         errs[fmt] = output_error(w, levels * np.repeat(s.astype(np.float32), 32, axis=1), h)
+    errs["rtn_q4"] = output_error(w, dequantize_q4(*quantize_q4(w)), h)
     return errs, output_error(w, np.zeros_like(w), h)
 
 
@@ -163,6 +188,17 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
         if calibration is not None and weight_space:
             source += f"; weight-space error for {', '.join(weight_space)} (no measured input)"
 
+    cost = {r: {f: eps[r][f] * weights[r] for f in LADDER} for r in roles}
+    kl = None
+    if ckpt is not None and calibration is not None and checkpoint_params(ckpt) <= SENSITIVITY_MAX_PARAMS:
+        kl = calibration.role_sensitivity({r: _HF_KEYS.get(r, ()) for r in roles}, tied=tied)
+        for r in roles:
+            rtn = eps[r].get("rtn_q4", 0.0)
+            if rtn > 0 and r in kl:
+                cost[r] = {f: kl[r] * eps[r][f] / rtn for f in LADDER}
+        source += ("; each role's error scaled to its effect on the output: predicted KL = measured KL of "
+                   "the model with that role rounded to q4 x eps(format) / eps(q4 rounded)")
+
     def evaluate(formats: dict[str, str]) -> tuple[int, dict]:
         mode, groups = modes_for_scheme("q4", "float16", formats)
         plan = memory_plan(hf_config, quant=mode, group_modes=groups, compute_dtype=compute_dtype,
@@ -185,7 +221,7 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
                 continue
             trial = {**formats, r: LADDER[i + 1]}
             t_total, t_plan = evaluate(trial)
-            gain = (eps[r][formats[r]] - eps[r][LADDER[i + 1]]) * weights[r]
+            gain = cost[r][formats[r]] - cost[r][LADDER[i + 1]]
             if t_total <= budget and t_total > total and (best is None or gain / (t_total - total) > best[0]):
                 best = (gain / (t_total - total), r, LADDER[i + 1], t_total, t_plan)
         if best is None:
@@ -193,11 +229,14 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
         _, r, fmt, total, plan = best
         formats[r] = fmt
         steps.append({"role": r, "format": fmt, "total_bytes": total})
-    error = sum(eps[r][formats[r]] * weights[r] for r in roles) / sum(weights.values())
-    q4_error = sum(eps[r]["q4"] * weights[r] for r in roles) / sum(weights.values())
+    norm = 1.0 if kl is not None else sum(weights.values())
+    error = sum(cost[r][formats[r]] for r in roles) / norm
+    q4_error = sum(cost[r]["q4"] for r in roles) / norm
     return {"phone": phone, "context": context, "budget_bytes": int(budget), "total_bytes": total,
             "formats": formats, "steps": steps, "eps_source": source, "eps_measured_as": how,
             "eps": {r: eps[r] for r in roles}, "role_weights": weights,
+            "error_model": "predicted-kl" if kl is not None else "weighted-eps",
+            "role_kl_q4_rtn": kl, "cost": cost,
             "weighted_error": error, "weighted_error_all_q4": q4_error,
             "weights_bytes": plan["weights_total"]["bytes"], "plan": plan}
 
@@ -207,12 +246,17 @@ def auto_markdown(result: dict) -> str:
     ctx = plan["contexts"][0]
     lines = [f"# QUANT=auto for {p.get('name')} ({p.get('ram_gb')} GB, app budget {p['app_budget_gb']} GB) "
              f"at {result['context']} tokens", "",
-             f"Error model: GQA-weighted relative error, eps {result['eps_source']}. Weighted error "
-             f"{result['weighted_error']:.3g} (q4 everywhere: {result['weighted_error_all_q4']:.3g}).", "",
-             "| role | format | bits/weight | weighted params | eps |", "|---|---|---:|---:|---:|"]
+             (f"Error model: predicted KL on the calibration text, eps {result['eps_source']}. Predicted KL "
+              if result.get("error_model") == "predicted-kl" else
+              f"Error model: GQA-weighted relative error, eps {result['eps_source']}. Weighted error ")
+             + f"{result['weighted_error']:.3g} (q4 everywhere: {result['weighted_error_all_q4']:.3g}).", "",
+             "| role | format | bits/weight | weighted params | eps | predicted KL |",
+             "|---|---|---:|---:|---:|---:|"]
+    predicted = result.get("error_model") == "predicted-kl"
     for r, fmt in sorted(result["formats"].items()):
+        kl = f"{result['cost'][r][fmt]:.2e}" if predicted else "—"
         lines.append(f"| {r} | {fmt} | {BITS[fmt]} | {result['role_weights'][r] / 1e6:,.1f} M | "
-                     f"{result['eps'][r][fmt]:.2e} |")
+                     f"{result['eps'][r][fmt]:.2e} | {kl} |")
     lines += ["", f"Weights {result['weights_bytes'] / 1e9:.2f} GB; KV cache {ctx['kv_bytes'] / 1e9:.2f} GB; "
               f"total {result['total_bytes'] / 1e9:.2f} GB of {result['budget_bytes'] / 1e9:.1f} GB; "
               f"predicted decode {ctx['predicted_decode_tok_s']:.2f} tok/s "

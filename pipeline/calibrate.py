@@ -146,6 +146,7 @@ class Calibration:
         self._layer_cache: tuple[int, dict[str, np.ndarray]] | None = None
         self._all: dict[int, dict[str, np.ndarray]] | None = None    # every layer's H, when small
         self._prepared: dict[str, Any] = {}
+        self._sensitivity: dict[str, dict[str, float]] = {}
         self.description = ""
         self.tokens = 0
 
@@ -197,6 +198,94 @@ class Calibration:
         if module is None or (module != "lm_head" and _layer_index(module) is None):
             return None
         return CalibratedInput(self, module)
+
+    def role_sensitivity(self, role_modules: dict[str, tuple[str, ...]], tied: bool) -> dict[str, float]:
+        """{role: mean KL(float model || the same model with only that role's matrices rounded to q4)} over
+        the calibration tokens, for QUANT=auto (auto_quant.py).
+
+        `role_modules` maps a role to the HF parameter suffixes it holds inside a decoder layer (e.g.
+        qkv_proj -> self_attn.q_proj.weight, ...); `embed_tokens` (the gathered rows, and the output
+        projection too when `tied`) and `lm_head` are roles outside the layers. One streamed pass: each
+        decoder layer is loaded once and run on one hidden-state stream per role plus the float stream, so
+        the cost is (roles + 1) forwards of the calibration text at one layer's memory. Rounding is to
+        nearest (quantize.py), which needs no H; auto_quant scales these figures to the calibrated formats.
+        Kept in the store by content key (a re-plan for another budget or target does not measure again).
+        """
+        import json
+
+        key = self.key(["role-sensitivity", tied, sorted((r, list(m)) for r, m in role_modules.items())], 4)
+        if key in self._sensitivity:
+            return dict(self._sensitivity[key])
+        path = self.store / f"{key}.json" if self.store else None
+        if path is not None and path.is_file():
+            try:
+                return {r: float(v) for r, v in json.loads(path.read_text()).items()}
+            except (OSError, ValueError, AttributeError):
+                pass                                   # a damaged entry is measured again
+        result = self._measure_role_sensitivity(role_modules, tied)
+        self._sensitivity[key] = dict(result)
+        if path is not None:
+            try:
+                self.store.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}")
+                tmp.write_text(json.dumps(result))
+                os.replace(tmp, path)
+            except OSError:
+                pass
+        return result
+
+    def _measure_role_sensitivity(self, role_modules: dict[str, tuple[str, ...]], tied: bool) -> dict[str, float]:
+        import torch
+
+        from .convert import checkpoint_name
+        from .quantize import dequantize_q4, quantize_q4
+
+        def rounded(w):
+            arr = w.detach().numpy().reshape(-1, w.shape[-1])
+            if arr.shape[-1] % 32:
+                return w
+            return torch.from_numpy(dequantize_q4(*quantize_q4(arr))).reshape(w.shape)
+
+        self._run_pass1()
+        cfg = self.hf_config.get("text_config") or self.hf_config
+        ids, _ = token_windows(self.ckpt, self.spec, int(cfg["vocab_size"]))
+        base = self._model.model
+        roles = list(role_modules)
+        embedded = self._embed(ids)
+        streams = {None: embedded}
+        for r in roles:
+            streams[r] = rounded(embedded) if r == "embed_tokens" else embedded
+        t0 = time.time()
+        self._say(f"auto: sensitivity of {len(roles)} roles ({', '.join(roles)}) on the calibration text …")
+        with torch.no_grad():
+            for i, layer in enumerate(base.layers):
+                _, args, kwargs = self._inputs[i]
+                self._load(layer, f"model.layers.{i}")
+                params = dict(layer.named_parameters())
+                for r, h in streams.items():
+                    swapped = [(p, p.data) for n, p in params.items() if r and n.endswith(role_modules.get(r, ()))]
+                    for p, original in swapped:
+                        p.data = rounded(original)
+                    out = layer(h, *args, **kwargs)
+                    streams[r] = out[0] if isinstance(out, tuple) else out
+                    for p, original in swapped:
+                        p.data = original
+                layer.to_empty(device="meta")
+            head_name = checkpoint_name(self.ckpt, "model.embed_tokens.weight" if tied else "lm_head.weight")
+            head = torch.from_numpy(np.ascontiguousarray(self.ckpt.get(head_name), np.float32))
+            head_rounded = rounded(head)
+            finals = {r: base.norm(h).reshape(-1, h.shape[-1]) for r, h in streams.items()}
+            kl = {r: 0.0 for r in roles}
+            rows = finals[None].shape[0]
+            for start in range(0, rows, 256):
+                ref = torch.log_softmax(finals[None][start:start + 256] @ head.T, dim=-1)
+                p_ref = ref.exp()
+                for r in roles:
+                    w = head_rounded if r == "lm_head" or (tied and r == "embed_tokens") else head
+                    logp = torch.log_softmax(finals[r][start:start + 256] @ w.T, dim=-1)
+                    kl[r] += float((p_ref * (ref - logp)).sum())
+        self._say(f"auto: sensitivity measured in {time.time() - t0:.1f} s")
+        return {r: v / rows for r, v in kl.items()}
 
     # ------------------------------------------------------------------------------ calibrated store
     def key(self, sources: list[str], bits: int) -> str:

@@ -109,3 +109,40 @@ def test_calibrated_eps_is_output_error(tmp_path_factory):
         assert 0 < eps[r]["q8"] < eps[r]["q4"] < 0.1, (r, eps[r])
         if r != "embed_tokens":
             assert eps[r]["q4"] != plain[r]["q4"]
+        assert eps[r]["q4"] < eps[r]["rtn_q4"] or r == "embed_tokens", (r, eps[r])   # error feedback helps
+
+
+def test_calibrated_plan_predicts_kl_and_keeps_the_measurement(tmp_path_factory, monkeypatch):
+    """With a calibration (and a model under SENSITIVITY_MAX_PARAMS) each role's cost is a predicted KL: the
+    measured KL of 'only this role rounded to q4' scaled by the calibrated / rounded output error, so q4
+    costs less than that KL and q8 far less. The measurement is kept in the store: a second plan (another
+    budget) does not run the model again."""
+    from test_model_numerics import tiny_hf_model
+
+    import pipeline.calibrate as calibrate
+    from pipeline.calibrate import Calibration, CalibrationSpec
+    from pipeline.load import open_checkpoint
+
+    folder, _ = tiny_hf_model(tmp_path_factory.mktemp("kl"), "llama", num_hidden_layers=2)
+    ckpt = open_checkpoint(folder)
+    store = tmp_path_factory.mktemp("store")
+    host = dict(context=1024, compute_dtype="float32", prefill_chunk=128, ckpt=ckpt)
+    with Calibration(ckpt, ckpt.config, CalibrationSpec(tokens=256, window=64), store=store) as cal:
+        first = plan_auto(ckpt.config, phone={"name": "big", "app_budget_gb": 1000, "bandwidth_gbs": 50},
+                          calibration=cal, **host)
+    assert first["error_model"] == "predicted-kl"
+    kl = first["role_kl_q4_rtn"]
+    assert set(kl) == set(first["formats"]) and all(v > 0 for v in kl.values())
+    for r, cost in first["cost"].items():
+        assert cost["float"] == 0 < cost["q8"] < 0.05 * cost["q4"], (r, cost)
+        assert cost["q4"] < kl[r] or r == "embed_tokens", (r, cost, kl[r])
+    assert first["weighted_error"] == 0   # an unlimited budget: float everywhere
+
+    def no_second_run(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(calibrate.Calibration, "_measure_role_sensitivity", no_second_run)
+    with Calibration(ckpt, ckpt.config, CalibrationSpec(tokens=256, window=64), store=store) as cal:
+        again = plan_auto(ckpt.config, phone={"name": "small", "app_budget_gb": 0.01, "bandwidth_gbs": 50},
+                          calibration=cal, **host)
+    assert again["role_kl_q4_rtn"] == kl

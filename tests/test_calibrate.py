@@ -218,3 +218,46 @@ def test_large_inputs_factorise_in_float32(monkeypatch):
     a, _ = gptq.quantize_rows(w, exact, "q4")
     b, _ = gptq.quantize_rows(w, small, "q4")
     assert np.mean(a == b) >= 0.99
+
+
+def _rounded_copy(model, suffixes: tuple[str, ...]):
+    """A deep copy of the HF model with the matrices named by `suffixes` rounded to q4 (round to nearest)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if name.endswith(suffixes):
+                p.copy_(torch.from_numpy(dequantize_q4(*quantize_q4(p.detach().numpy()))))
+    return out
+
+
+def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    ref = torch.log_softmax(ref_logits.double(), -1)
+    return float((ref.exp() * (ref - torch.log_softmax(logits.double(), -1))).sum(-1).mean())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_role_sensitivity_matches_transformers(tmp_path, tied):
+    """KL of 'only this role rounded to q4' from the streamed pass equals the KL of transformers' whole model
+    with those matrices rounded (float64 KL of float32 logits; tolerance 1e-3 relative + 1e-7)."""
+    from test_model_numerics import tiny_hf_model
+
+    folder, model = tiny_hf_model(tmp_path, "llama", num_hidden_layers=2, tie_word_embeddings=tied)
+    ckpt = open_checkpoint(folder)
+    spec = CalibrationSpec(tokens=192, window=64)
+    ids, _ = token_windows(ckpt, spec, model.config.vocab_size)
+    roles = {"qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+             "down_proj": ("mlp.down_proj.weight",), "embed_tokens": ("embed_tokens.weight",)}
+    if not tied:
+        roles["lm_head"] = ("lm_head.weight",)
+    with Calibration(ckpt, json.loads((folder / "config.json").read_text()), spec) as cal:
+        ours = cal.role_sensitivity(roles, tied=tied)
+    with torch.no_grad():
+        base = model(torch.from_numpy(ids)).logits
+        for role, suffixes in roles.items():
+            if role == "embed_tokens" and tied:
+                suffixes = ("embed_tokens.weight", "lm_head.weight")   # one shared table
+            want = _kl(base, _rounded_copy(model, suffixes)(torch.from_numpy(ids)).logits)
+            assert want > 0, role
+            assert abs(ours[role] - want) <= 1e-3 * want + 1e-7, (role, ours[role], want)

@@ -43,6 +43,7 @@ def rpc_farm():
     tracker.terminate()
 
 
+@pytest.mark.slow     # ~3 min on 2 cores (MetaSchedule builder / runner pools): `make test-slow`
 def test_tune_one_kernel_through_rpc_and_apply_it(rpc_farm, tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path / "db"))
     func = _gemv()
