@@ -114,3 +114,27 @@ def test_float_gemv_leaves_weights_read_across_k_alone(monkeypatch):
     assert cs._float_gemv(func) is None
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     np.testing.assert_allclose(_run(sch.mod["main"], 1), _run(func, 1), rtol=1e-5, atol=1e-4)
+
+
+def _float_prefill_func(weight_dtype: str, rows):
+    """A prompt's rows times NT float weights widened in a cast block (q0f16 / q0f32 prefill on a CPU)."""
+    x = te.placeholder((1, rows, K), "float32", name="x")
+    w = te.placeholder((N, K), weight_dtype, name="w")
+    wide = te.compute(w.shape, lambda a, b: w[a, b].astype("float32"), name="cast")
+    k = te.reduce_axis((0, K), name="k")
+    out = te.compute((1, rows, N), lambda b, i, j: te.sum(x[b, i, k] * wide[j, k], axis=k), name="NT_matmul")
+    return te.create_prim_func([x, w, out]).with_attr("global_symbol", "main")
+
+
+@pytest.mark.parametrize("weight_dtype", ["float16", "float32"])
+def test_float_prefill_widens_each_weight_tile_once(weight_dtype):
+    """q0f16 prefill: the cast writes a transposed [k, tile] fp32 scratch inside the parallel tile loop and
+    every row reuses it; the result is the unscheduled function's (the same k order: bit-for-bit up to
+    LLVM's contraction of multiply + add)."""
+    rows = tirx.Var("seq_len", "int64")
+    func = _float_prefill_func(weight_dtype, rows)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    assert "T.parallel" in text and text.index("T.parallel") < text.index('sblock("cast"')
+    for n_rows in (1, 5, 33):
+        np.testing.assert_allclose(_run(sch.mod["main"], n_rows), _run(func, n_rows), rtol=1e-5, atol=1e-5)
