@@ -111,9 +111,10 @@ def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, c
                 w = ckpt.get_rows(name, start, min(n_rows, start + rows)).astype(np.float32)
                 if layer is None:
                     total += float((w * w).sum())
-                    err["q4"] += float(((dequantize_q4(*quantize_q4(w)) - w) ** 2).sum())
+                    q4 = float(((dequantize_q4(*quantize_q4(w)) - w) ** 2).sum())   # rounded: rtn is q4
+                    err["q4"] += q4
+                    err["rtn_q4"] += q4
                     err["q8"] += float(((dequantize_q8(*quantize_q8(w)) - w) ** 2).sum())
-                    err["rtn_q4"] = err["q4"]
                 else:
                     e, t = _output_errors(w, layer)
                     total += t

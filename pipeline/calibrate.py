@@ -147,6 +147,7 @@ class Calibration:
         self._all: dict[int, dict[str, np.ndarray]] | None = None    # every layer's H, when small
         self._prepared: dict[str, Any] = {}
         self._sensitivity: dict[str, dict[str, float]] = {}
+        self._ids: np.ndarray | None = None                      # the calibration windows' token ids
         self.description = ""
         self.tokens = 0
 
@@ -224,14 +225,7 @@ class Calibration:
                 pass                                   # a damaged entry is measured again
         result = self._measure_role_sensitivity(role_modules, tied)
         self._sensitivity[key] = dict(result)
-        if path is not None:
-            try:
-                self.store.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.{os.getpid()}")
-                tmp.write_text(json.dumps(result))
-                os.replace(tmp, path)
-            except OSError:
-                pass
+        self._store_put(f"{key}.json", lambda tmp: tmp.write_text(json.dumps(result)))
         return result
 
     def _measure_role_sensitivity(self, role_modules: dict[str, tuple[str, ...]], tied: bool) -> dict[str, float]:
@@ -247,11 +241,9 @@ class Calibration:
             return torch.from_numpy(dequantize_q4(*quantize_q4(arr))).reshape(w.shape)
 
         self._run_pass1()
-        cfg = self.hf_config.get("text_config") or self.hf_config
-        ids, _ = token_windows(self.ckpt, self.spec, int(cfg["vocab_size"]))
         base = self._model.model
         roles = list(role_modules)
-        embedded = self._embed(ids)
+        embedded = self._embed(self._ids)
         streams = {None: embedded}
         for r in roles:
             streams[r] = rounded(embedded) if r == "embed_tokens" else embedded
@@ -310,13 +302,18 @@ class Calibration:
             return None
 
     def save(self, key: str, codes: np.ndarray, scales: np.ndarray, err: float, energy: float) -> None:
+        self._store_put(f"{key}.npz", lambda tmp: np.savez(tmp, codes=codes, scales=scales,
+                                                             err=np.float64(err), energy=np.float64(energy)))
+
+    def _store_put(self, name: str, write) -> None:
+        """write(temporary path) then rename it to store/name; nothing without a store."""
         if self.store is None:
             return
-        self.store.mkdir(parents=True, exist_ok=True)
-        tmp = self.store / f".{key}.{os.getpid()}.npz"
+        tmp = self.store / f".{os.getpid()}.{name}"     # keeps the suffix: np.savez would add ".npz"
         try:
-            np.savez(tmp, codes=codes, scales=scales, err=np.float64(err), energy=np.float64(energy))
-            os.replace(tmp, self.store / f"{key}.npz")
+            self.store.mkdir(parents=True, exist_ok=True)
+            write(tmp)
+            os.replace(tmp, self.store / name)
         except OSError:
             tmp.unlink(missing_ok=True)   # the store is an optimisation: a full disk only loses the reuse
 
@@ -384,6 +381,7 @@ class Calibration:
 
         cfg = self.hf_config.get("text_config") or self.hf_config
         ids, self.description = token_windows(self.ckpt, self.spec, int(cfg["vocab_size"]))
+        self._ids = ids
         self.tokens = int(ids.size)
         model = self._skeleton()
         base = model.model

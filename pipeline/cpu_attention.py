@@ -59,6 +59,37 @@ def _tile_softmax(acc: T.Buffer, sc: T.Buffer, st: T.Buffer, t: T.int32, n_keys:
             st[1] = st[1] + sc[jj]
 
 
+@T.macro
+def _paged_keys(acc: T.Buffer, qv: T.Buffer, sc: T.Buffer, part: T.Buffer, st: T.Buffer, pages: T.Buffer,
+                page_values: T.Buffer, first: T.int32, n_keys: T.int32, kv_head: T.int32, page_size: T.int32,
+                d: T.int32):
+    """The online-softmax walk over a sequence's first n_keys cached keys, TILE at a time: `pages` are
+    [page, K|V, head, slot, dim] and the sequence's pages are page_values[first:]. Leaves the unnormalised
+    output in acc and (max, sum) in st."""
+    for i in T.vectorized(d):
+        acc[i] = T.float32(0)
+    st[0] = T.float32(NEG)
+    st[1] = T.float32(1)
+    for t in range((n_keys + TILE - 1) // TILE):
+        for x in T.vectorized(TILE * LANES):
+            part[x] = T.float32(0)
+        for c in range(d // LANES):
+            for jj in T.unroll(TILE):
+                for lane in T.vectorized(LANES):
+                    part[jj * LANES + lane] = part[jj * LANES + lane] + qv[c * LANES + lane] * T.Cast(
+                        "float32", pages[page_values[first + T.min(t * TILE + jj, n_keys - 1) // page_size],
+                                         0, kv_head, T.min(t * TILE + jj, n_keys - 1) % page_size,
+                                         c * LANES + lane])
+        _tile_scores(part, sc, st, t, n_keys)
+        _tile_softmax(acc, sc, st, t, n_keys, d)
+        for jj in range(TILE):
+            if t * TILE + jj < n_keys:
+                for i in T.vectorized(d):
+                    acc[i] = acc[i] + sc[jj] * T.Cast(
+                        "float32", pages[page_values[first + (t * TILE + jj) // page_size], 1, kv_head,
+                                         (t * TILE + jj) % page_size, i])
+
+
 def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
     """Attention of each sequence's new tokens over its new tokens (causal or not): the prefill of a chunk
     with nothing cached yet. Signature of TVM's `tir_attention_prefill_ragged_cpu`."""
@@ -109,7 +140,6 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
                 st[0] = T.float32(NEG)
                 st[1] = T.float32(1)     # as TVM's kernels: no keys gives output 0 and lse NEG
                 for t in range((n_keys + TILE - 1) // TILE):
-                    st[2] = T.float32(NEG)
                     # TILE independent dot products side by side (keys past the end read the last key
                     # and are masked below): LANES-wide partial sums, keys innermost for parallel FMAs
                     for x in T.vectorized(TILE * LANES):
@@ -176,29 +206,7 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
             n_keys: T.let[T.int32] = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
             for i in T.vectorized(d):
                 qv[i] = T.Cast("float32", q[b, h, i]) * (sm_scale * LOG2E)
-            for i in T.vectorized(d):
-                acc[i] = T.float32(0)
-            st[0] = T.float32(NEG)
-            st[1] = T.float32(1)
-            for t in range((n_keys + TILE - 1) // TILE):
-                st[2] = T.float32(NEG)
-                for x in T.vectorized(TILE * LANES):
-                    part[x] = T.float32(0)
-                for c in range(d // LANES):
-                    for jj in T.unroll(TILE):
-                        for lane in T.vectorized(LANES):
-                            part[jj * LANES + lane] = part[jj * LANES + lane] + qv[c * LANES + lane] * T.Cast(
-                                "float32", pages[page_table_values[first + T.min(t * TILE + jj, n_keys - 1) // page_size],
-                                                 0, h // group, T.min(t * TILE + jj, n_keys - 1) % page_size,
-                                                 c * LANES + lane])
-                _tile_scores(part, sc, st, t, n_keys)
-                _tile_softmax(acc, sc, st, t, n_keys, d)
-                for jj in range(TILE):
-                    if t * TILE + jj < n_keys:
-                        for i in T.vectorized(d):
-                            acc[i] = acc[i] + sc[jj] * T.Cast(
-                                "float32", pages[page_table_values[first + (t * TILE + jj) // page_size], 1, h // group,
-                                                 (t * TILE + jj) % page_size, i])
+            _paged_keys(acc, qv, sc, part, st, pages, page_table_values, first, n_keys, h // group, page_size, d)
             for i in T.vectorized(d):
                 output[b, h, i] = T.Cast(dtype, acc[i] / st[1])
             lse[b, h] = st[0] + T.log2(st[1])
@@ -259,28 +267,7 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                 n_keys: T.let[T.int32] = T.max(T.if_then_else(causal > 0, T.min(kv_n - q_n + qi + 1, kv_n), kv_n), 0)
                 for i in T.vectorized(d):
                     qv[i] = T.Cast("float32", q[row, h, i]) * (sm_scale * LOG2E)
-                for i in T.vectorized(d):
-                    acc[i] = T.float32(0)
-                st[0] = T.float32(NEG)
-                st[1] = T.float32(1)
-                for t in range((n_keys + TILE - 1) // TILE):
-                    for x in T.vectorized(TILE * LANES):
-                        part[x] = T.float32(0)
-                    for c in range(d // LANES):
-                        for jj in T.unroll(TILE):
-                            for lane in T.vectorized(LANES):
-                                part[jj * LANES + lane] = part[jj * LANES + lane] + qv[c * LANES + lane] * T.Cast(
-                                    "float32", pages[page_values[first + T.min(t * TILE + jj, n_keys - 1) // page_size],
-                                                     0, h // group, T.min(t * TILE + jj, n_keys - 1) % page_size,
-                                                     c * LANES + lane])
-                    _tile_scores(part, sc, st, t, n_keys)
-                    _tile_softmax(acc, sc, st, t, n_keys, d)
-                    for jj in range(TILE):
-                        if t * TILE + jj < n_keys:
-                            for i in T.vectorized(d):
-                                acc[i] = acc[i] + sc[jj] * T.Cast(
-                                    "float32", pages[page_values[first + (t * TILE + jj) // page_size], 1, h // group,
-                                                     (t * TILE + jj) % page_size, i])
+                _paged_keys(acc, qv, sc, part, st, pages, page_values, first, n_keys, h // group, page_size, d)
                 for i in T.vectorized(d):
                     output[row, h, i] = T.Cast(dtype, acc[i] / st[1])
                 lse[row, h] = st[0] + T.log2(st[1])

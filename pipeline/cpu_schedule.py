@@ -163,14 +163,7 @@ def _dequant_tiles_for_rows(func: tirx.PrimFunc):
     if len(dequant) != 1:
         return None
     matmul = sch.get_child_blocks(sch.get_sblock("root"))[-1]
-    *spatial, k = sch.get_loops(matmul)
-    n_o, n_i = sch.split(spatial[-1], factors=[None, PREFILL_TILE])
-    sch.reorder(n_o, *spatial[:-1], k, n_i)
-    sch.compute_at(dequant[0], n_o)
-    sch.parallel(n_o)
-    init = sch.decompose_reduction(matmul, k)
-    sch.unroll(n_i)
-    sch.vectorize(sch.get_loops(init)[-1])
+    _tile_rows(sch, dequant[0], matmul, PREFILL_TILE)
     inner = sch.get_loops(dequant[0])[-1]
     if _vectorizable(sch, inner) or isinstance(sch.get(inner).extent, tirx.IntImm):
         sch.vectorize(inner)
@@ -203,14 +196,21 @@ def _float_tiles_for_rows(func: tirx.PrimFunc):
     if not _reads_along_last_axis(sch.get(matmul), sch.get(matmul).iter_vars[-1].var):
         return None                                   # NT weights only (k last)
     sch.transform_layout(cast, ("write", 0), lambda a, b: (b, a))
+    _tile_rows(sch, cast, matmul, tile)
+    return sch
+
+
+def _tile_rows(sch, producer, matmul, tile: int) -> None:
+    """Parallel output tiles of `tile` columns; the weight producer computed once per tile (compute_at),
+    then every row runs k with the tile's columns unrolled (LLVM packs them into vector FMAs)."""
+    *spatial, k = sch.get_loops(matmul)
     n_o, n_i = sch.split(spatial[-1], factors=[None, tile])
     sch.reorder(n_o, *spatial[:-1], k, n_i)
-    sch.compute_at(cast, n_o)
+    sch.compute_at(producer, n_o)
     sch.parallel(n_o)
     init = sch.decompose_reduction(matmul, k)
     sch.unroll(n_i)
     sch.vectorize(sch.get_loops(init)[-1])
-    return sch
 
 
 FLOAT_LANES = 16   # partial sums along K per output (two AVX2 registers); measured best of 8 / 16 / 32

@@ -80,6 +80,12 @@ def _outputs(rows):
     return _t(np.zeros((rows, H_Q, D), np.float32)), _t(np.zeros((rows, H_Q), np.float32))
 
 
+def _check(out, lse, want) -> None:
+    """Output and lse within TOL of the numpy reference's (output, lse)."""
+    assert np.abs(out.numpy() - want[0]).max() <= TOL
+    assert np.abs(lse.numpy() - want[1]).max() <= TOL
+
+
 @pytest.mark.parametrize("causal", [1, 0])
 def test_ragged_prefill(kernels, causal):
     rng = np.random.default_rng(0)
@@ -92,9 +98,7 @@ def test_ragged_prefill(kernels, causal):
     kernels["ragged"](_t(np.concatenate(qs)), _t(indptr), _t(np.concatenate(ks)), _t(np.concatenate(vs)),
                       _t(indptr), _t(np.zeros(indptr[-1], np.int32)), _t(np.zeros(len(lengths), np.int32)),
                       out, lse, causal, 0, 1.0, 1e4, SM)
-    ref_out, ref_lse = reference(qs, ks, vs, causal)
-    assert np.abs(out.numpy() - ref_out).max() <= TOL
-    assert np.abs(lse.numpy() - ref_lse).max() <= TOL
+    _check(out, lse, reference(qs, ks, vs, causal))
 
 
 def test_paged_decode(kernels):
@@ -105,9 +109,7 @@ def test_paged_decode(kernels):
     out, lse = _outputs(len(lengths))
     zeros = _t(np.zeros(len(lengths), np.int32))
     kernels["decode"](_t(q), _t(pool), _t(indptr), _t(table), _t(last), zeros, zeros, out, lse, 0, 1.0, 1e4, SM)
-    ref_out, ref_lse = reference([x[None] for x in q], ks, vs, causal=False)
-    assert np.abs(out.numpy() - ref_out).max() <= TOL
-    assert np.abs(lse.numpy() - ref_lse).max() <= TOL
+    _check(out, lse, reference([x[None] for x in q], ks, vs, causal=False))
 
 
 @pytest.mark.parametrize("causal", [1, 0])
@@ -124,9 +126,7 @@ def test_paged_prefill(kernels, causal):
     kernels["paged"](_t(np.concatenate(qs)), _t(q_indptr), _t(pool), _t(indptr), _t(table), _t(last),
                      _t(np.zeros(len(q_lengths), np.int32)), _t(np.zeros(q_indptr[-1], np.int32)),
                      out, lse, causal, 0, 1.0, 1e4, SM)
-    ref_out, ref_lse = reference(qs, ks, vs, causal)
-    assert np.abs(out.numpy() - ref_out).max() <= TOL
-    assert np.abs(lse.numpy() - ref_lse).max() <= TOL
+    _check(out, lse, reference(qs, ks, vs, causal))
 
 
 def test_matches_tvm_serial_kernels(kernels):
