@@ -105,6 +105,7 @@ class QuantSpec:
     # embed_tokens): format (float | q4 | q8)}; roles not listed get weight_format
     formats: dict[str, str] = field(default_factory=dict)
     auto_context: int | None = None   # QUANT=auto: choose `formats` to fit the phone at this context
+    auto_min_format: str = "t3"       # QUANT=auto: the lowest format a role may get (t3: PTQ ternary; or q4)
     # ternary (t2 / t3) weights: `native` imports a natively ternary checkpoint exactly and refuses any
     # other tensor; `ptq` ternarises an ordinary model (MSE-optimal per group; loses quality)
     ternary_source: str = "native"
@@ -123,6 +124,9 @@ class QuantSpec:
         if bad:
             raise ConfigError(f"unknown weight format(s) {bad}", path=self.path,
                               fix=f"use one of {', '.join(WEIGHT_FORMATS)}")
+        if self.auto_min_format not in ("t3", "q4"):
+            raise ConfigError(f"auto_min_format {self.auto_min_format!r} is not t3 or q4", path=self.path,
+                              fix="set auto_min_format: t3 (allow post-training ternary roles) or q4")
         if self.ternary_source not in TERNARY_SOURCES:
             raise ConfigError(f"unknown ternary_source {self.ternary_source!r}", path=self.path,
                               fix=f"use one of {', '.join(TERNARY_SOURCES)}")

@@ -410,7 +410,8 @@ def choose_formats(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report:
 
     result = plan_auto(loaded.hf_config, phone=target.phone, context=int(quant.auto_context),
                        compute_dtype=quant.activation_dtype(target), prefill_chunk=loaded.decoder.prefill_chunk_size,
-                       ckpt=loaded.checkpoint, model_name=loaded.spec.name, calibration=calibration)
+                       ckpt=loaded.checkpoint, model_name=loaded.spec.name, calibration=calibration,
+                       min_format=quant.auto_min_format)
     text = auto_markdown(result)
     report.info(text.rstrip())
     saved = {k: v for k, v in result.items() if k != "plan"}

@@ -1,8 +1,9 @@
 """QUANT=auto: per-role formats chosen to fit a phone's budget (pipeline/auto_quant.py).
 
-qwen27b (real config) at 8K context: fits a 24 GB Android phone with some roles upgraded to q8, is refused
-in one line on a 16 GB Android phone and a 12 GB iPhone (q4 everywhere is already 15.9 GB). The plan's
-accounting is checked against the sizes of the tensors a real build emits.
+qwen27b (real config) at 8K context: fits a 24 GB Android phone with some roles upgraded to q8; fits a 16 GB
+Android phone only with a role ternarised (q4 everywhere is 15.9 GB), with a warning; is refused in one line
+on a 12 GB iPhone (even ternary everywhere is 6.55 GB > 6). The plan's accounting is checked against the
+sizes of the tensors a real build emits.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 
 import pytest
 
-from pipeline.auto_quant import plan_auto
+from pipeline.auto_quant import auto_markdown, plan_auto
 from pipeline.config import load_model, load_phone
 from pipeline.errors import ConfigError
 
@@ -32,10 +33,31 @@ def test_qwen27b_fits_a_24gb_phone_with_upgrades(qwen27b):
     assert totals == sorted(totals) and totals[-1] == result["total_bytes"]
 
 
-@pytest.mark.parametrize("phone", ["android-16gb", "iphone-12gb"])
-def test_qwen27b_refused_where_nothing_fits(qwen27b, phone):
-    with pytest.raises(ConfigError, match=r"qwen27b does not fit .* q4 everywhere needs 15\.\d\d GB at 8192"):
-        plan_auto(qwen27b, phone=load_phone(phone), context=8192, model_name="qwen27b")
+def test_qwen27b_on_a_16gb_phone_needs_a_ternary_role(qwen27b):
+    """q4 everywhere (15.9 GB) is over the 12 GB budget: roles go to t3, cheapest first, until it fits."""
+    phone = load_phone("android-16gb")
+    result = plan_auto(qwen27b, phone=phone, context=8192, model_name="qwen27b")
+    assert result["total_bytes"] <= phone["app_budget_gb"] * 1e9
+    assert result["ternary_roles"] and set(result["formats"].values()) <= {"t3", "q4", "q8", "float"}
+    assert result["steps"][0]["format"] == "t3"
+    assert result["weighted_error"] > result["weighted_error_all_q4"]
+    assert "Warning:** post-training ternary (t3) for " in auto_markdown(result)
+    # the downgrades were needed: undoing any one of them breaks the budget
+    from pipeline.memory_plan import memory_plan, modes_for_scheme
+
+    for role in result["ternary_roles"]:
+        mode, groups = modes_for_scheme("q4", "float16", {**result["formats"], role: "q4"})
+        plan = memory_plan(qwen27b, quant=mode, group_modes=groups, compute_dtype="float16", contexts=(8192,),
+                           prefill_chunk=512, phone=phone)
+        assert plan["contexts"][0]["total_bytes"] > phone["app_budget_gb"] * 1e9
+    with pytest.raises(ConfigError, match=r"smallest plan, q4 everywhere, needs 15\.\d\d GB at 8192"):
+        plan_auto(qwen27b, phone=phone, context=8192, model_name="qwen27b", min_format="q4")
+
+
+def test_qwen27b_refused_on_a_12gb_iphone(qwen27b):
+    with pytest.raises(ConfigError, match=r"qwen27b does not fit .*smallest plan, ternary t3 everywhere .*needs "
+                                          r"6\.\d\d GB at 8192 .* no context length fits"):
+        plan_auto(qwen27b, phone=load_phone("iphone-12gb"), context=8192, model_name="qwen27b")
 
 
 def test_gqa_weighting_counts_kv_rows_per_query_head(qwen27b):
@@ -52,9 +74,11 @@ def test_unknown_phone_is_one_line():
         load_phone("nokia")
 
 
-def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory):
-    """A tiny Qwen3 built with --quant auto for a phone whose budget allows only some upgrades: the bundle's
-    tensor cache holds exactly the weight bytes the plan counted, in the formats it chose."""
+@pytest.mark.parametrize("room", ["some upgrades", "some ternary"])
+def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory, room):
+    """A tiny Qwen3 built with --quant auto for a phone whose budget allows only some upgrades (or needs some
+    roles below q4): the bundle's tensor cache holds exactly the weight bytes the plan counted, in the
+    formats it chose."""
     from test_model_numerics import tiny_hf_model
 
     from pipeline.progress import Reporter
@@ -64,12 +88,22 @@ def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory):
     hf = json.loads((folder / "config.json").read_text())
     host = {"context": 8192, "compute_dtype": "float32"}     # host-cpu computes (and keeps KV) in fp32
     unlimited = plan_auto(hf, phone={"name": "big", "app_budget_gb": 1000, "bandwidth_gbs": 50}, **host)
-    # a budget between the first upgrade and everything upgraded: some roles q8/float, others stay q4
-    budget = (unlimited["steps"][0]["total_bytes"] + unlimited["steps"][-1]["total_bytes"]) / 2 / 1e9
+    if room == "some upgrades":   # between the first upgrade and everything upgraded: q8/float and q4 roles
+        budget = (unlimited["steps"][0]["total_bytes"] + unlimited["steps"][-1]["total_bytes"]) / 2 / 1e9
+    else:                         # halfway between t3 and q4 everywhere: some roles t3
+        from pipeline.memory_plan import memory_plan, modes_for_scheme
+
+        def everywhere(fmt):
+            mode, groups = modes_for_scheme("q4", "float16", {r: fmt for r in unlimited["formats"]})
+            plan = memory_plan(hf, quant=mode, group_modes=groups, compute_dtype="float32", contexts=(8192,))
+            return plan["contexts"][0]["total_bytes"]
+
+        budget = (everywhere("t3") + everywhere("q4")) / 2 / 1e9
     phone = {"name": "tiny phone", "app_budget_gb": budget, "bandwidth_gbs": 50, "ram_gb": 1}
     chosen = plan_auto(hf, phone=phone, **host)
     assert chosen["steps"] and chosen["formats"] != unlimited["formats"]
     assert len(set(chosen["formats"].values())) >= 2     # a real mix, not one format everywhere
+    assert bool(chosen["ternary_roles"]) == (room == "some ternary")
 
     bundle = run_pipeline(str(folder), "host-cpu", "auto", out=str(tmp_path_factory.mktemp("out")),
                           report=Reporter(quiet=True), phone=phone).bundle
@@ -82,7 +116,7 @@ def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory):
     dtypes = {r["name"]: r["dtype"] for shard in index["records"] for r in shard["records"]}
     for role, fmt in saved["formats"].items():
         weights = [d for n, d in dtypes.items() if n.endswith(f"{role}.q_weight") or n.endswith(f"{role}.weight")]
-        want = {"q4": "uint32", "q8": "int8"}.get(fmt)
+        want = {"q4": "uint32", "q8": "int8", "t3": "uint32"}.get(fmt)
         assert weights and all(d == want if want else d.startswith("float") for d in weights), (role, weights)
 
 
