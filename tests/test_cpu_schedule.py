@@ -138,3 +138,43 @@ def test_float_prefill_widens_each_weight_tile_once(weight_dtype):
     assert "T.parallel" in text and text.index("T.parallel") < text.index('sblock("cast"')
     for n_rows in (1, 5, 33):
         np.testing.assert_allclose(_run(sch.mod["main"], n_rows), _run(func, n_rows), rtol=1e-5, atol=1e-5)
+
+
+def _q4_gemv_func(n: int, relax_order: bool):
+    """One token times KN q4 codes, parameters in a te test's order (x, codes, scales, out) or in the order
+    relax's fusion gives them (codes, scales, x, out)."""
+    x = te.placeholder((1, 1, K), "float32", name="x")
+    w = te.placeholder((K // 8, n), "uint32", name="w")
+    s = te.placeholder((K // 32, n), "float16", name="s")
+    wt = dequantize_te(w, s, "KN", K, n, "float32")
+    k = te.reduce_axis((0, K), name="k")
+    out = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, k] * wt[k, j], axis=k), name="matmul")
+    args = [w, s, x, out] if relax_order else [x, w, s, out]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+# 3, 2 and 1 AVX2 vectors of outputs in registers; 192: a task's span holds 4 of those 24-column tiles
+@pytest.mark.parametrize("n", [72, 80, 40, 192])
+@pytest.mark.parametrize("relax_order", [False, True])
+def test_decode_q4_gemv_is_the_hand_written_kernel(n, relax_order):
+    """The one-token KN q4 GEMV becomes cpu_gemv's kernel (codes masked in place against prescaled x, group
+    sums of x, vector-typed tiles): the same outputs as the fused TE up to fp32 summation order."""
+    from pipeline.cpu_gemv import match_q4_kn_gemv
+
+    func = _q4_gemv_func(n, relax_order)
+    assert match_q4_kn_gemv(func) is not None
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    assert 'sblock("dequantize' not in text and "float32x8" in text and "T.parallel" in text
+    want = _run(func, 1)
+    np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_hand_written_gemv_only_replaces_its_own_pattern():
+    """NK codes, int8 codes and a prompt's rows keep the schedules (their functions are not that GEMV)."""
+    from pipeline.cpu_gemv import match_q4_kn_gemv
+
+    assert match_q4_kn_gemv(_dequant_matmul("NK", 4, 1)) is None
+    assert match_q4_kn_gemv(_dequant_matmul("KN", 8, 1)) is None
+    assert match_q4_kn_gemv(_dequant_matmul("KN", 4, tirx.Var("seq_len", "int64"))) is None
+    assert match_q4_kn_gemv(_dequant_matmul("KN", 4, 1)) is not None
