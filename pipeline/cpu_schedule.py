@@ -13,15 +13,15 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
-from .cpu_gemv import q4_kn_gemv_like
+from .cpu_gemv import packed_kn_gemv_like
 
 
 class CPUInlineParallel(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
-        kernel = q4_kn_gemv_like(func)
-        if kernel is not None:    # decode q4 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
+        kernel = packed_kn_gemv_like(func)
+        if kernel is not None:    # decode q4 / t2 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
             return s_tir.Schedule(kernel)
         if 'sblock("dequantize' in func.script():
             try:

@@ -8,6 +8,7 @@ import pytest
 import tvm
 from tvm import te, tirx
 
+from pipeline.coverage import classify
 from pipeline.cpu_schedule import CPUInlineParallel
 from pipeline.models.layers import dequantize_q8_te, dequantize_te
 
@@ -159,22 +160,56 @@ def _q4_gemv_func(n: int, relax_order: bool):
 def test_decode_q4_gemv_is_the_hand_written_kernel(n, relax_order):
     """The one-token KN q4 GEMV becomes cpu_gemv's kernel (codes masked in place against prescaled x, group
     sums of x, vector-typed tiles): the same outputs as the fused TE up to fp32 summation order."""
-    from pipeline.cpu_gemv import match_q4_kn_gemv
+    from pipeline.cpu_gemv import match_packed_kn_gemv
 
     func = _q4_gemv_func(n, relax_order)
-    assert match_q4_kn_gemv(func) is not None
+    assert match_packed_kn_gemv(func) is not None
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     text = sch.mod["main"].script()
     assert 'sblock("dequantize' not in text and "float32x8" in text and "T.parallel" in text
+    assert classify("fused_dequantize_q4_kn_matmul", sch.mod["main"]) == "dequant-gemv"   # coverage's class
     want = _run(func, 1)
     np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_hand_written_gemv_only_replaces_its_own_pattern():
-    """NK codes, int8 codes and a prompt's rows keep the schedules (their functions are not that GEMV)."""
-    from pipeline.cpu_gemv import match_q4_kn_gemv
+    """NK codes and a prompt's rows keep the schedules (their functions are not that GEMV)."""
+    from pipeline.cpu_gemv import match_packed_kn_gemv
 
-    assert match_q4_kn_gemv(_dequant_matmul("NK", 4, 1)) is None
-    assert match_q4_kn_gemv(_dequant_matmul("KN", 8, 1)) is None
-    assert match_q4_kn_gemv(_dequant_matmul("KN", 4, tirx.Var("seq_len", "int64"))) is None
-    assert match_q4_kn_gemv(_dequant_matmul("KN", 4, 1)) is not None
+    for bits in (4, 8):
+        assert match_packed_kn_gemv(_dequant_matmul("NK", bits, 1)) is None
+        assert match_packed_kn_gemv(_dequant_matmul("KN", bits, tirx.Var("seq_len", "int64"))) is None
+    assert match_packed_kn_gemv(_dequant_matmul("KN", 4, 1))[0] == "q4"
+    assert match_packed_kn_gemv(_dequant_matmul("KN", 8, 1))[0] == "q8"
+
+
+def test_decode_q8_gemv_is_the_hand_written_kernel():
+    """int8 codes (q8f16, and the lm_head of the ternary schemes): the same span walk, sign-extended codes."""
+    func = _dequant_matmul("KN", 8, 1)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    assert 'sblock("dequantize' not in sch.mod["main"].script()
+    want = _run(func, 1)
+    np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("k", [256, 192])     # 192: the last group of 128 holds only 64 weights (K = 576-like)
+def test_decode_t2_gemv_is_the_hand_written_kernel(k):
+    """Ternary t2 (16 two-bit codes per word, (code - 1) * scale per 128): the same kernel with 2-bit fields."""
+    from pipeline import ternary as tern
+    from pipeline.cpu_gemv import match_packed_kn_gemv
+    from pipeline.models.layers import dequantize_ternary_te
+
+    n = 48
+    x = te.placeholder((1, 1, k), "float32", name="x")
+    w = te.placeholder((tern.packed_len("t2", k), n), "uint32", name="w")
+    s = te.placeholder((tern.n_groups(k), n), "float16", name="s")
+    wt = dequantize_ternary_te(w, s, "t2", "KN", k, n, "float32")
+    r = te.reduce_axis((0, k), name="k")
+    out = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
+    func = te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
+    assert match_packed_kn_gemv(func)[0] == "t2"
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    assert 'sblock("dequantize' not in sch.mod["main"].script()
+    assert classify("fused_dequantize_t2_kn_matmul", sch.mod["main"]) == "dequant-gemv-ternary"
+    want = _run(func, 1)   # random words: code 3 (unused by real packings) is still computed alike
+    np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
