@@ -56,7 +56,8 @@ def fusion_passes() -> list[tvm.transform.Pass]:
         fuse_dequantize_matmul(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
-        relax.transform.FuseOps(),                # add+RMSNorm, silu*up, residual adds, ...
+        relax.transform.FuseOps(),                # split+silu*up, casts into consumers, ... (not the residual
+                                                  # add into RMSNorm: the sum has two consumers)
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(),
     ]
