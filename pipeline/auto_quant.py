@@ -231,7 +231,7 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
                 path=None, fix=("choose a phone with more memory (--phone): no context length fits"
                                 if without_kv > budget else "choose a phone with more memory (--phone) or a "
                                 "shorter context" + (", or auto_min_format: t3" if min_format == "q4" else "")))
-        total, plan = _downgrade_until_fits(formats, roles, cost, budget, evaluate, steps)
+        total, plan = _downgrade_until_fits(formats, roles, cost, budget, evaluate, steps, (total, plan))
     while True:
         best = None
         for r in roles:
@@ -262,10 +262,11 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
 
 
 def _downgrade_until_fits(formats: dict[str, str], roles: list[str], cost: dict, budget: float, evaluate: Any,
-                          steps: list[dict]) -> tuple[int, dict]:
+                          steps: list[dict], current: tuple[int, dict]) -> tuple[int, dict]:
     """q4 roles -> t3 (in `formats`, recorded in `steps`) until the plan fits: the cheapest single downgrade
-    that fits, else the least added cost per byte saved. The caller checked that t3 everywhere fits."""
-    total, plan = evaluate(formats)
+    that fits, else the least added cost per byte saved. `current`: evaluate(formats), already computed. The
+    caller checked that t3 everywhere fits."""
+    total, plan = current
     while total > budget:
         options = []
         for r in roles:

@@ -67,12 +67,12 @@ FORMATS = {"q4": PackedFormat("dequantize_kn", 4, 32, 7), "t2": PackedFormat("de
            "q8": PackedFormat("dequantize_q8_kn", 8, 32, 0)}
 
 
-def match_packed_kn_gemv(func: tirx.PrimFunc) -> tuple[str, int, int, str, tuple[str, ...]] | None:
+def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None) -> tuple[str, int, int, str, tuple[str, ...]] | None:
     """(format, N, K, scale dtype, the role of each parameter in order) when `func` is a fused one-token KN
     GEMV of packed codes: blocks dequantize then matmul, tensors codes uint32 [K / codes per word, N],
     scales [groups, N], x float32 [1, 1, K] and out float32 [1, 1, N] (the last parameter, as in every
-    function TE / relax fusion makes)."""
-    text = func.script()
+    function TE / relax fusion makes). `text`: func.script(), when the caller has it."""
+    text = text if text is not None else func.script()
     blocks = [b for b in re.findall(r'T\.sblock\("(\w+)"\)', text) if b != "root"]
     fmt = next((f for f, spec in FORMATS.items() if blocks == [spec.block, "matmul"]), None)
     if fmt is None or FORMATS[fmt].pattern not in text:
@@ -111,9 +111,9 @@ def match_packed_kn_gemv(func: tirx.PrimFunc) -> tuple[str, int, int, str, tuple
     return fmt, n, k, dtypes[roles.index("scales")], (*roles, "out")
 
 
-def packed_kn_gemv_like(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None) -> tirx.PrimFunc | None:
     """The hand-written kernel with `func`'s parameter order, or None when `func` is not such a GEMV."""
-    match = match_packed_kn_gemv(func)
+    match = match_packed_kn_gemv(func, text)
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
@@ -135,14 +135,19 @@ def _span(n: int, tile: int) -> int:
     return max(even or fits or [1]) * tile
 
 
+def _tiling(n: int) -> tuple[int, int, int]:
+    """(vectors held in registers, their columns, columns per task) for n output columns."""
+    vecs = next(v for v in VECTORS_PER_TASK if n % (v * LANES) == 0)
+    return vecs, vecs * LANES, _span(n, vecs * LANES)
+
+
 def packed_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16") -> tirx.PrimFunc:
     """The kernel for out[1, 1, n] = x[1, 1, k] @ dequantize(codes [k / codes, n], scales [groups, n])."""
-    vecs = next(v for v in VECTORS_PER_TASK if n % (v * LANES) == 0)
-    tile, codes, bits = vecs * LANES, spec.codes, spec.bits
+    vecs, tile, span = _tiling(n)
+    codes, bits = spec.codes, spec.bits
     words, groups, per_group = k // codes, -(-k // spec.group), spec.group // codes   # words per group
     top = 32 - bits                       # the top code is shifted down (masked it would be negative)
     mask = (1 << bits) - 1
-    span = _span(n, tile)
     i64 = T.int64
     vf, vi, vu = f"float32x{LANES}", f"int32x{LANES}", f"uint32x{LANES}"
 
@@ -196,9 +201,8 @@ def packed_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float
 
 def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16") -> tirx.PrimFunc:
     """The same walk for int8 codes [k, n] (value code * scale): sign-extend 8 codes, convert, FMA."""
-    vecs = next(v for v in VECTORS_PER_TASK if n % (v * LANES) == 0)
-    tile, group, groups = vecs * LANES, spec.group, k // spec.group
-    span = _span(n, tile)
+    vecs, tile, span = _tiling(n)
+    group, groups = spec.group, k // spec.group
     i64 = T.int64
     vf, vi, vc = f"float32x{LANES}", f"int32x{LANES}", f"int8x{LANES}"
 

@@ -20,10 +20,11 @@ class CPUInlineParallel(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
-        kernel = packed_kn_gemv_like(func)
-        if kernel is not None:    # decode q4 / t2 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
+        text = func.script()      # printed once: both checks below read it
+        kernel = packed_kn_gemv_like(func, text)
+        if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
             return s_tir.Schedule(kernel)
-        if 'sblock("dequantize' in func.script():
+        if 'sblock("dequantize' in text:
             try:
                 tiled = _dequant_tiles_for_rows(func)
             except Exception:  # noqa: BLE001 - not this shape: the general path below
