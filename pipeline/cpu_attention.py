@@ -14,6 +14,8 @@ cache calls them unchanged:
 * the output is the normalised sum and lse = max + log2(sum), as TVM's kernels return them for the
   attention-state merge.
 
+The KV append (`tir_kv_cache_transpose_append`) is replaced too: TVM's allocates per element (below).
+
 They need rotary_mode 0 (RoPE applied when K/Q are written, RopeMode.NORMAL: every model here) and
 head dims that are a multiple of LANES; other cases keep TVM's kernels (see `replace_cpu_attention`).
 A kernel called with rotary_mode 1 stops with an error instead of computing without RoPE.
@@ -275,6 +277,47 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
     return batch_prefill_paged_kv_cpu
 
 
+APPEND_PARALLEL_TOKENS = 8   # fewer new tokens (a decode step) are copied on the calling thread
+
+
+def transpose_append(h_kv: int, d: int, dtype: str, page_size: int = 16):
+    """Copy each new token's K and V into its slot of the page pool (position -1: not stored). Signature
+    of TVM's `tir_kv_cache_transpose_append`, whose per-element `position` binding becomes a 4-byte
+    workspace allocation per element on CPU: 1.5 M allocations per 128-token prefill of SmolLM2, 11 k per
+    decode step. Here: one slot lookup per token, vector copies of each head's row."""
+
+    @T.macro
+    def one_token(pages, k_data, v_data, position_map, t):
+        position: T.let[T.int32] = position_map[t]
+        if position != -1:
+            for h in range(h_kv):
+                for i in T.vectorized(d):
+                    pages[T.floordiv(position, page_size), 0, h, T.floormod(position, page_size), i] = k_data[t, h, i]
+                for i in T.vectorized(d):
+                    pages[T.floordiv(position, page_size), 1, h, T.floormod(position, page_size), i] = v_data[t, h, i]
+
+    @T.prim_func
+    def tir_kv_cache_transpose_append(var_pages: T.handle, var_k_data: T.handle, var_v_data: T.handle,
+                                      var_position_map: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        ntoken = T.int64()
+        num_pages = T.int64()
+        pages_elem_offset = T.int64()
+        position_map_elem_offset = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, h_kv, page_size, d), dtype, elem_offset=pages_elem_offset)
+        k_data = T.match_buffer(var_k_data, (ntoken, h_kv, d), dtype)
+        v_data = T.match_buffer(var_v_data, (ntoken, h_kv, d), dtype)
+        position_map = T.match_buffer(var_position_map, (ntoken,), "int32", elem_offset=position_map_elem_offset)
+        if ntoken >= APPEND_PARALLEL_TOKENS:
+            for t in T.parallel(ntoken):
+                one_token(pages, k_data, v_data, position_map, t)
+        else:
+            for t in range(ntoken):
+                one_token(pages, k_data, v_data, position_map, t)
+
+    return tir_kv_cache_transpose_append
+
+
 def _static(dims) -> list[int] | None:
     out = []
     for x in dims:
@@ -315,12 +358,22 @@ def _paged_prefill_for(func: tvm.tirx.PrimFunc):
     return paged_prefill(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2])
 
 
+def _append_for(func: tvm.tirx.PrimFunc):
+    """Our KV append for TVM's `func`, or None."""
+    pages, k = func.params[:2]
+    pd, kd = _static(pages.shape[1:]), _static(k.shape[1:])
+    if not (pd and kd) or pd[0] != 2 or pd[1] != kd[0] or pd[3] != kd[1]:
+        return None
+    return transpose_append(kd[0], kd[1], str(k.dtype), page_size=pd[2])
+
+
 # module names of TVM's CPU kernels (their global symbols; the KV cache registers them as
-# tir_attention_prefill_ragged_cpu / tir_attention_decode_cpu / tir_attention_prefill_cpu); the
-# *_sliding_window variants are kept
+# tir_attention_prefill_ragged_cpu / tir_attention_decode_cpu / tir_attention_prefill_cpu /
+# tir_kv_cache_transpose_append); the *_sliding_window variants are kept
 REPLACEMENTS = {"batch_prefill_ragged_kv": _ragged_for, "batch_decode_paged_kv_cpu": _decode_for,
-                "batch_prefill_paged_kv_cpu": _paged_prefill_for}
-_PARAMS = {"batch_prefill_ragged_kv": 14, "batch_decode_paged_kv_cpu": 13, "batch_prefill_paged_kv_cpu": 15}
+                "batch_prefill_paged_kv_cpu": _paged_prefill_for, "tir_kv_cache_transpose_append": _append_for}
+_PARAMS = {"batch_prefill_ragged_kv": 14, "batch_decode_paged_kv_cpu": 13, "batch_prefill_paged_kv_cpu": 15,
+           "tir_kv_cache_transpose_append": 4}
 
 
 @tvm.transform.module_pass(opt_level=0, name="ReplaceSerialCPUAttention")

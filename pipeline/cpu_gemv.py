@@ -67,11 +67,13 @@ FORMATS = {"q4": PackedFormat("dequantize_kn", 4, 32, 7), "t2": PackedFormat("de
            "q8": PackedFormat("dequantize_q8_kn", 8, 32, 0)}
 
 
-def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None) -> tuple[str, int, int, str, tuple[str, ...]] | None:
+def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str = "one"
+                         ) -> tuple[str, int, int, str, tuple[str, ...]] | None:
     """(format, N, K, scale dtype, the role of each parameter in order) when `func` is a fused one-token KN
     GEMV of packed codes: blocks dequantize then matmul, tensors codes uint32 [K / codes per word, N],
     scales [groups, N], x float32 [1, 1, K] and out float32 [1, 1, N] (the last parameter, as in every
-    function TE / relax fusion makes). `text`: func.script(), when the caller has it."""
+    function TE / relax fusion makes). rows="prompt": the same with a symbolic row count instead of 1
+    (x [1, m, K], out [1, m, N]: a prefill). `text`: func.script(), when the caller has it."""
     text = text if text is not None else func.script()
     blocks = [b for b in re.findall(r'T\.sblock\("(\w+)"\)', text) if b != "root"]
     fmt = next((f for f, spec in FORMATS.items() if blocks == [spec.block, "matmul"]), None)
@@ -81,11 +83,20 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None) -> tuple[
     params = list(func.params)   # tensor parameters carry shape and dtype
     if len(params) != 4:
         return None
-    shapes = []
+    shapes, row_vars = [], []
     for p in params:
-        if not all(isinstance(d, tirx.IntImm) for d in p.shape):
-            return None
-        shapes.append(tuple(int(d) for d in p.shape))
+        dims = []
+        for i, d in enumerate(p.shape):
+            if isinstance(d, tirx.IntImm):
+                dims.append(int(d))
+            elif rows == "prompt" and i == 1 and isinstance(d, tirx.Var) and len(p.shape) == 3:
+                dims.append(1)             # the prompt's rows: one symbolic variable shared by x and out
+                row_vars.append(d)
+            else:
+                return None
+        shapes.append(tuple(dims))
+    if rows == "prompt" and (len(row_vars) != 2 or not row_vars[0].same_as(row_vars[1])):
+        return None             # x and out both [1, m, .] over the same m
     dtypes = [str(p.dtype) for p in params]
     out = shapes[-1]
     if dtypes[-1] != "float32" or len(out) != 3 or out[:2] != (1, 1):

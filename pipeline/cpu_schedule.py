@@ -14,6 +14,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
 from .cpu_gemv import packed_kn_gemv_like
+from .cpu_prefill import packed_kn_matmul_like
 
 
 class CPUInlineParallel(ScheduleRule):
@@ -23,6 +24,9 @@ class CPUInlineParallel(ScheduleRule):
         text = func.script()      # printed once: both checks below read it
         kernel = packed_kn_gemv_like(func, text)
         if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
+            return s_tir.Schedule(kernel)
+        kernel = packed_kn_matmul_like(func, text)
+        if kernel is not None:    # prefill q4 / t2 / q8 matmul (a prompt's rows, KN codes): cpu_prefill.py
             return s_tir.Schedule(kernel)
         if 'sblock("dequantize' in text:
             try:

@@ -44,11 +44,13 @@ def fuse_dequantize_matmul() -> tvm.transform.Pass:
 def fusion_passes() -> list[tvm.transform.Pass]:
     """The fuse stage, in order. Each pass is a plain TVM pass so it can be inspected and reordered."""
     from .cpu_attention import replace_cpu_attention
+    from .cpu_rope import replace_cpu_rope
     from .kernel_fixes import mark_noalias, replace_racy_kernels
 
     return [
         replace_racy_kernels,                     # TVM's GPU merge-state kernel races (kernel_fixes.py)
         replace_cpu_attention,                    # TVM's CPU attention kernels are serial (cpu_attention.py)
+        replace_cpu_rope,                         # TVM's RoPE evaluates cos/sin per element (cpu_rope.py)
         mark_noalias,                             # else LLVM leaves the CPU kernels unvectorized
         relax.transform.FuseTransposeMatmul(),   # nn.Linear's matmul(x, permute(W)) -> one NT matmul
         relax.transform.LegalizeOps(),

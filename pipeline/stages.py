@@ -94,6 +94,7 @@ class Defined:
 def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporter | None = None) -> Defined:
     """The model in the scheme's storage; vocab tables over the target's `capabilities.max_buffer_bytes`
     come in parts (models/split.py)."""
+    from . import cpu_rope
     from .models import model_class
     from .models.split import SplitFactory
 
@@ -106,6 +107,8 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
                            max_buffer_bytes=int(limit) if limit else None)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
+    if hasattr(module, "rope_settings"):      # for the CPU RoPE kernel (cpu_rope.py)
+        mod = cpu_rope.annotate(mod, module.rope_settings())
     too_big = [n for n, p in params if limit and _nbytes(p) > int(limit)]
     if too_big and report is not None:
         report.info(f"[yellow]warning:[/] {', '.join(too_big[:3])} exceed {target.name}'s max single allocation "

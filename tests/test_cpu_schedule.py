@@ -1,5 +1,6 @@
 """CPU schedules of the dequantize-matmul (cpu_schedule.py): decode keeps the unpack in registers, prefill
-dequantizes each output tile once for all rows; both compute what the unscheduled function computes."""
+dequantizes each output tile once for all rows; KN codes get the hand-written kernels (cpu_gemv.py for one
+token, cpu_prefill.py for a prompt); all compute what the unscheduled function computes."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def _run(func, rows: int) -> np.ndarray:
     return args[-1].numpy()
 
 
-@pytest.mark.parametrize("layout,bits", [("KN", 4), ("NK", 4), ("KN", 8)])
+@pytest.mark.parametrize("layout,bits", [("NK", 4), ("NK", 8)])
 def test_prefill_tiles_dequantize_once_per_tile(layout, bits):
+    """NK codes (KN ones get the hand-written kernel below): the schedule's scratch tile per task."""
     rows = tirx.Var("seq_len", "int64")
     func = _dequant_matmul(layout, bits, rows)
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
@@ -60,6 +62,50 @@ def test_prefill_tiles_dequantize_once_per_tile(layout, bits):
         want = _run(func, n_rows)
         got = _run(sch.mod["main"], n_rows)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def _prompt_matmul(fmt: str, k: int, n: int, relax_order: bool):
+    """A prompt's rows (symbolic) times KN codes of `fmt` (q4, q8, t2)."""
+    from pipeline import ternary as tern
+    from pipeline.models.layers import dequantize_ternary_te
+
+    rows = tirx.Var("seq_len", "int64")
+    x = te.placeholder((1, rows, k), "float32", name="x")
+    if fmt == "t2":
+        w = te.placeholder((tern.packed_len("t2", k), n), "uint32", name="w")
+        s = te.placeholder((tern.n_groups(k), n), "float16", name="s")
+        wt = dequantize_ternary_te(w, s, "t2", "KN", k, n, "float32")
+    elif fmt == "q4":
+        w = te.placeholder((k // 8, n), "uint32", name="w")
+        s = te.placeholder((k // 32, n), "float16", name="s")
+        wt = dequantize_te(w, s, "KN", k, n, "float32")
+    else:
+        w = te.placeholder((k, n), "int8", name="w")
+        s = te.placeholder((k // 32, n), "float16", name="s")
+        wt = dequantize_q8_te(w, s, "KN", k, n, "float32")
+    r = te.reduce_axis((0, k), name="k")
+    out = te.compute((1, rows, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
+    return te.create_prim_func([w, s, x, out] if relax_order else [x, w, s, out]).with_attr("global_symbol", "main")
+
+
+@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q8", 96, 80), ("t2", 192, 48)])
+@pytest.mark.parametrize("relax_order", [False, True])
+def test_prefill_kn_matmul_is_the_hand_written_kernel(fmt, k, n, relax_order):
+    """A prompt times KN codes becomes cpu_prefill's kernel (rows four at a time over a dequantized tile,
+    the rest one at a time): the fused TE's outputs up to fp32 summation order, for row counts below, at
+    and past the register tile (t2 with K = 192: a short last group of 64)."""
+    from pipeline.cpu_gemv import match_packed_kn_gemv
+
+    func = _prompt_matmul(fmt, k, n, relax_order)
+    assert match_packed_kn_gemv(func, rows="prompt")[0] == fmt and match_packed_kn_gemv(func) is None
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    assert 'sblock("dequantize' not in text and "float32x8" in text and "T.parallel" in text
+    want_class = "dequant-matmul-ternary" if fmt == "t2" else "dequant-matmul"
+    assert classify(f"fused_dequantize_{fmt}_kn_matmul", sch.mod["main"]) == want_class
+    for n_rows in (1, 4, 7, 33):
+        want = _run(func, n_rows)
+        np.testing.assert_allclose(_run(sch.mod["main"], n_rows), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_decode_keeps_the_unpack_in_registers():
@@ -179,6 +225,8 @@ def test_hand_written_gemv_only_replaces_its_own_pattern():
     for bits in (4, 8):
         assert match_packed_kn_gemv(_dequant_matmul("NK", bits, 1)) is None
         assert match_packed_kn_gemv(_dequant_matmul("KN", bits, tirx.Var("seq_len", "int64"))) is None
+        assert match_packed_kn_gemv(_dequant_matmul("NK", bits, tirx.Var("seq_len", "int64")), rows="prompt") is None
+        assert match_packed_kn_gemv(_dequant_matmul("KN", bits, 1), rows="prompt") is None
     assert match_packed_kn_gemv(_dequant_matmul("KN", 4, 1))[0] == "q4"
     assert match_packed_kn_gemv(_dequant_matmul("KN", 8, 1))[0] == "q8"
 

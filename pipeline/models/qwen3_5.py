@@ -27,6 +27,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
+from ..cpu_rope import rope_args
 from ..errors import ConfigError
 from .gdn_kernels import gdn_decode, gdn_prefill
 from .layers import LayerFactory
@@ -373,6 +374,12 @@ class HybridLM(DecoderLM):
     def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
         h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
         return self._logits(h), paged_kv_cache, rnn_state
+
+    def rope_settings(self) -> str:
+        """The RoPE settings given to the KV cache below, for the CPU RoPE kernel (cpu_rope.py)."""
+        c = self.cfg
+        return rope_args(c.rope_theta, 1, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                         self.dtype, {}, c.rotary_dim)
 
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
