@@ -180,6 +180,25 @@ def test_transpose_append_matches_tvm(n):
     assert not np.array_equal(results[0], pool)     # something was written
 
 
+@pytest.mark.parametrize("n", [1, 40])
+def test_merge_state_matches_tvm(n):
+    """The attention-state merge computes what TVM's serial one does (decode: 1 x heads rows, serial;
+    a prefill chunk over cached pages: parallel)."""
+    from tvm.relax.frontend.nn.llm._decode_kernels import _merge_state_inplace_cpu
+
+    rng = np.random.default_rng(6)
+    v, v_other = (rng.standard_normal((n, H_Q, D)).astype(np.float32) for _ in range(2))
+    s, s_other = ((rng.standard_normal((n, H_Q)) * 4).astype(np.float32) for _ in range(2))
+    results = []
+    for fn in (_compile(ca.merge_state("float32")), _compile(_merge_state_inplace_cpu("float32"))):
+        out_v, out_s = _t(v), _t(s)
+        fn(out_v, out_s, _t(v_other), _t(s_other))
+        results.append((out_v.numpy(), out_s.numpy()))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-6, atol=1e-6)
+    assert np.abs(results[0][0] - v).max() > 0.1     # merged, not left as it was
+
+
 def test_inline_rope_is_refused(kernels):
     """rotary_mode 1 (RoPE inside attention) is not implemented: the kernel stops instead of skipping it."""
     n = 4
@@ -207,3 +226,25 @@ def test_host_builds_use_them():
     ours = {gv.name_hint for gv, f in mod.functions_items()
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and str(f.attrs.get("mlp.kernel")) == "cpu_attention"}
     assert ours == set(ca.REPLACEMENTS)
+
+
+def test_vector_exp2_is_accurate():
+    """The polynomial exp2 of the softmax weights: relative error <= 4e-7 (a few fp32 ulps) over the
+    range softmax uses (x <= 0), and it vectorizes (no libm call left in the loop)."""
+    from tvm.script import tirx as T
+
+    n = 4096
+
+    @T.prim_func
+    def main(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i in T.vectorized(n):
+            y[i] = ca._exp2(x[i])
+
+    lib = tvm.compile(tvm.IRModule({"main": main}), target=tvm.target.Target({"kind": "llvm"}))
+    assert "exp2f" not in lib.mod.inspect_source("ll")
+    xs = np.concatenate([-np.geomspace(1e-6, 125.0, n - 2), [0.0, -0.5]]).astype(np.float32)
+    out = _t(np.zeros(n, np.float32))
+    lib["main"](_t(xs), out)
+    want = np.exp2(xs.astype(np.float64))
+    assert np.abs(out.numpy() / want - 1).max() <= 4e-7
