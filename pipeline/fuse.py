@@ -45,6 +45,7 @@ def fusion_passes() -> list[tvm.transform.Pass]:
     """The fuse stage, in order. Each pass is a plain TVM pass so it can be inspected and reordered."""
     from .cpu_attention import replace_cpu_attention
     from .cpu_rope import replace_cpu_rope
+    from .fast_math import vectorizable_exp
     from .kernel_fixes import mark_noalias, replace_racy_kernels
 
     return [
@@ -62,4 +63,5 @@ def fusion_passes() -> list[tvm.transform.Pass]:
                                                   # add into RMSNorm: the sum has two consumers)
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(),
+        vectorizable_exp,                         # libm expf per lane on CPU (fast_math.py)
     ]
