@@ -48,6 +48,12 @@ class CPUInlineParallel(ScheduleRule):
                 tiled = None
             if tiled is not None:
                 return tiled
+            try:
+                normed = _row_reduction(func)
+            except Exception:  # noqa: BLE001 - not a per-row reduction + epilogue: the general path
+                normed = None
+            if normed is not None:
+                return normed
         prepared = _inline_producers(func)
         if prepared is None:
             return None
@@ -266,6 +272,50 @@ def _float_gemv(func: tirx.PrimFunc):
     sch.unroll(n_i)
     sch.unroll(k_i)                              # straight-line lanes: LLVM's SLP vectorizer packs them
     sch.decompose_reduction(partial, k_o)
+    return sch
+
+
+ROW_LANES = 8   # partial sums of a row reduction (one AVX2 register)
+
+
+def _row_reduction(func: tirx.PrimFunc):
+    """A per-row reduction over the last axis feeding an elementwise epilogue over the same rows (RMSNorm:
+    sum of squares, then x * rsqrt(mean + eps) * w): the reduction computed inside the epilogue's row loop
+    (compute_at), rows in parallel (unless it is one small row: decode), the reduction split into ROW_LANES vector partial sums (rfactor) and
+    the epilogue's columns vectorized. Left to the general path, the reduction ran as its own serial,
+    scalar loop over all rows (~60% of a prompt's RMSNorm). None unless exactly one reduction block
+    remains after inlining, with a constant last axis divisible by ROW_LANES."""
+    prepared = _inline_producers(func)
+    if prepared is None:
+        return None
+    sch, last, spatial, reduction = prepared
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    if reduction or len(blocks) != 2 or len(spatial) < 2:
+        return None
+    red = blocks[0]
+    red_loops, red_kinds = sch.get_loops(red), _iter_kinds(sch, red)
+    if red_kinds.count("R") != 1 or red_kinds[-1] != "R" or len(red_loops) != len(spatial):
+        return None
+    k_extent, n_extent = sch.get(red_loops[-1]).extent, sch.get(spatial[-1]).extent
+    if not all(isinstance(e, tirx.IntImm) and int(e) % ROW_LANES == 0 for e in (k_extent, n_extent)):
+        return None
+    rows = spatial[:-1]
+    parallel = _work(sch, spatial) >= SERIAL_WORK   # a prompt's rows; a decode step's norm stays serial
+    row = sch.fuse(*rows) if len(rows) > 1 else rows[0]
+    sch.compute_at(red, row)
+    if parallel:
+        sch.parallel(row)
+    k_o, k_i = sch.split(sch.get_loops(red)[-1], factors=[None, ROW_LANES])
+    partial = sch.rfactor(k_i, len(sch.get(red).writes[0].region))   # lanes last: contiguous partials
+    sch.compute_at(partial, row)                 # the row's partial sums inside the same parallel task
+    outer, inner = sch.get_loops(partial)[-2:]
+    try:
+        sch.vectorize(inner)
+    except Exception:  # noqa: BLE001 - compute_at put the lanes outside the k steps: swap them
+        sch.reorder(inner, outer)
+        sch.vectorize(sch.get_loops(partial)[-1])
+    sch.decompose_reduction(partial, sch.get_loops(partial)[-2])   # zero the partials once, not per step
+    sch.vectorize(sch.get_loops(last)[-1])
     return sch
 
 

@@ -261,3 +261,29 @@ def test_decode_t2_gemv_is_the_hand_written_kernel(k):
     assert classify("fused_dequantize_t2_kn_matmul", sch.mod["main"]) == "dequant-gemv-ternary"
     want = _run(func, 1)   # random words: code 3 (unused by real packings) is still computed alike
     np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def _rms_norm_func(rows):
+    x = te.placeholder((1, rows, 64), "float32", name="x")
+    w = te.placeholder((64,), "float32", name="w")
+    k = te.reduce_axis((0, 64), name="k")
+    red = te.compute((1, rows), lambda a, b: te.sum(x[a, b, k] * x[a, b, k], axis=k), name="T_multiply_red")
+    out = te.compute((1, rows, 64), lambda a, b, c: tirx.rsqrt(red[a, b] / 64.0 + 1e-5) * x[a, b, c] * w[c],
+                     name="T_rms_norm")
+    return te.create_prim_func([x, w, out]).with_attr("global_symbol", "main")
+
+
+@pytest.mark.parametrize("symbolic_rows", [True, False])
+def test_rms_norm_reduces_each_row_inside_its_task(symbolic_rows):
+    """RMSNorm: the sum of squares runs inside the epilogue's row loop (rows in parallel for a prompt, serial
+    for one token) as 8 vector partial sums, not as its own serial scalar loop over all rows."""
+    func = _rms_norm_func(tirx.Var("seq_len", "int64") if symbolic_rows else 1)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    assert "_rf" in text and text.count("T.vectorized") >= 2
+    assert ("T.parallel" in text) == symbolic_rows
+    if symbolic_rows:    # one parallel loop holding both the reduction and the epilogue
+        assert text.count("T.parallel") == 1 and text.index("T.parallel") < text.index('sblock("T_multiply_red_rf')
+    for n_rows in ((1, 5, 33) if symbolic_rows else (1,)):
+        want = _run(func, n_rows)
+        np.testing.assert_allclose(_run(sch.mod["main"], n_rows), want, rtol=1e-5, atol=1e-5)
