@@ -129,10 +129,14 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None) -> tirx.Pr
         return None
     fmt, n, k, scale_dtype, order = match
     kernel = (q8_kn_gemv if fmt == "q8" else packed_kn_gemv)(FORMATS[fmt], n, k, scale_dtype)
+    return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt == "t2" else "dequant-gemv")
+
+
+def substitute(func: tirx.PrimFunc, kernel: tirx.PrimFunc, order: tuple[str, ...], op_class: str) -> tirx.PrimFunc:
+    """`kernel` (parameters in ROLES order) with `func`'s parameter order and attributes (its symbol, if any),
+    so the substitute is built exactly as the original would be, and its op class declared (it has no blocks
+    to read it from; coverage.classify honours it)."""
     params = [kernel.params[ROLES.index(role)] for role in order]
-    # `func`'s attributes (its symbol, if any), so the substitute is built exactly as the original would be
-    # and its op class declared (it has no blocks to read it from; coverage.classify honours it)
-    op_class = "dequant-gemv-ternary" if fmt == "t2" else "dequant-gemv"
     return (tirx.PrimFunc(params, kernel.body, kernel.ret_type, func.attrs).with_attr("tirx.noalias", True)
             .with_attr(OP_CLASS_ATTR, op_class))
 

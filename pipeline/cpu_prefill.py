@@ -20,7 +20,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_gemv import FORMATS, LANES, OP_CLASS_ATTR, ROLES, PackedFormat, match_packed_kn_gemv
+from .cpu_gemv import FORMATS, LANES, PackedFormat, match_packed_kn_gemv, substitute
 
 ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators)
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
@@ -89,7 +89,4 @@ def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None) -> tirx.
         return None
     fmt, n, k, scale_dtype, order = match
     kernel = packed_kn_matmul(FORMATS[fmt], n, k, scale_dtype)
-    params = [kernel.params[ROLES.index(role)] for role in order]
-    op_class = "dequant-matmul-ternary" if fmt == "t2" else "dequant-matmul"
-    return (tirx.PrimFunc(params, kernel.body, kernel.ret_type, func.attrs).with_attr("tirx.noalias", True)
-            .with_attr(OP_CLASS_ATTR, op_class))
+    return substitute(func, kernel, order, "dequant-matmul-ternary" if fmt == "t2" else "dequant-matmul")

@@ -210,11 +210,16 @@ class DecoderLM(nn.Module):
     def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache):
         return self._logits(self.model(input_embed, paged_kv_cache)), paged_kv_cache
 
-    def rope_settings(self) -> str:
-        """The RoPE settings given to the KV cache below, for the CPU RoPE kernel (cpu_rope.py)."""
+    def kv_rope(self) -> dict[str, Any]:
+        """The RoPE arguments of the KV cache below (one place: the CPU RoPE kernel reads them too)."""
         c = self.cfg
-        return rope_args(c.rope_theta, 1, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
-                         self.dtype, c.rope_scaling, c.head_dim)
+        return {"rope_theta": c.rope_theta, "rope_scale": 1, "rope_scaling": c.rope_scaling, "rotary_dim": c.head_dim}
+
+    def rope_settings(self) -> str:
+        """The KV cache's RoPE settings, for the CPU RoPE kernel (cpu_rope.py)."""
+        c, r = self.cfg, self.kv_rope()
+        return rope_args(r["rope_theta"], r["rope_scale"], c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                         self.dtype, r["rope_scaling"], r["rotary_dim"])
 
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
@@ -236,11 +241,8 @@ class DecoderLM(nn.Module):
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL,
-            rope_scale=1,
-            rope_theta=c.rope_theta,
-            rope_scaling=c.rope_scaling,
+            **self.kv_rope(),
             rope_ext_factors=_empty_ext_factors(),
-            rotary_dim=c.head_dim,
             enable_disaggregation=False,
             dtype=self.dtype,
             target=self.target,

@@ -27,7 +27,6 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from ..cpu_rope import rope_args
 from ..errors import ConfigError
 from .gdn_kernels import gdn_decode, gdn_prefill
 from .layers import LayerFactory
@@ -375,11 +374,10 @@ class HybridLM(DecoderLM):
         h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
         return self._logits(h), paged_kv_cache, rnn_state
 
-    def rope_settings(self) -> str:
-        """The RoPE settings given to the KV cache below, for the CPU RoPE kernel (cpu_rope.py)."""
+    def kv_rope(self) -> dict[str, Any]:
+        """Partial RoPE (the first rotary_dim dims), no scaling."""
         c = self.cfg
-        return rope_args(c.rope_theta, 1, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
-                         self.dtype, {}, c.rotary_dim)
+        return {"rope_theta": c.rope_theta, "rope_scale": 1, "rope_scaling": {}, "rotary_dim": c.rotary_dim}
 
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
@@ -392,9 +390,8 @@ class HybridLM(DecoderLM):
             support_sliding_window=support_sliding_window, layer_partition=_shape_expr([0, n_full]),
             num_hidden_layers=n_full, num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads, qk_head_dim=c.head_dim, v_head_dim=c.head_dim,
-            mla_original_qk_head_dim=0, mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL, rope_scale=1,
-            rope_theta=c.rope_theta, rope_scaling={}, rope_ext_factors=_empty_ext_factors(),
-            rotary_dim=c.rotary_dim, enable_disaggregation=False, dtype=self.dtype, target=self.target)
+            mla_original_qk_head_dim=0, mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL, **self.kv_rope(),
+            rope_ext_factors=_empty_ext_factors(), enable_disaggregation=False, dtype=self.dtype, target=self.target)
 
     def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RecurrentState:
         return RecurrentState.create(len(self.cfg.linear_layers), self.cfg.rnn_states(self.dtype),
