@@ -13,7 +13,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
-from .cpu_gemv import packed_kn_gemv_like
+from .cpu_gemv import build_threads, packed_kn_gemv_like
 from .cpu_prefill import packed_kn_matmul_like
 
 
@@ -22,7 +22,7 @@ class CPUInlineParallel(ScheduleRule):
         if not isinstance(func, tirx.PrimFunc):
             return None
         text = func.script()      # printed once: both checks below read it
-        kernel = packed_kn_gemv_like(func, text)
+        kernel = packed_kn_gemv_like(func, text, int16_dot=_has_avx2(target), threads=build_threads())
         if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
             return s_tir.Schedule(kernel)
         kernel = packed_kn_matmul_like(func, text)
@@ -72,6 +72,16 @@ class CPUInlineParallel(ScheduleRule):
                 sch, last, spatial, reduction = _inline_producers(func)
         sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
         return sch
+
+
+def _has_avx2(target) -> bool:
+    """The target has x86 AVX2 (its -mcpu or -mattr): the int16 dot-product GEMV (cpu_gemv.py) applies."""
+    from tvm.target import codegen
+
+    try:
+        return target is not None and "llvm" in str(target.kind) and bool(codegen.target_has_features("avx2", target))
+    except Exception:  # noqa: BLE001 - not an x86 LLVM target
+        return False
 
 
 def _inline_producers(func: tirx.PrimFunc):

@@ -240,6 +240,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     `verify`: run the kernels on PoCL (None: the target's `verify_kernels`)."""
     from . import force_cpu as forcing
     from .bundle import atomic_dir
+    from .cpu_gemv import build_threads
     from .tuning import database_digest
 
     meta = defined.module.metadata(quant.name, defined.params)
@@ -254,7 +255,8 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                    "meta": meta, "force_cpu": forced, "verify": verify, "npu": target.npu,
                    "tuning": database_digest(target.name),
                    "formats": dict(quant.formats), "ternary_source": quant.ternary_source,
-                   **({"rotation": quant.rotation} if quant.rotation else {})})
+                   **({"rotation": quant.rotation} if quant.rotation else {}),
+                   **({"cpu_threads": build_threads()} if target.host_native else {})})   # cpu_gemv.k_splits
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")

@@ -9,8 +9,9 @@ import pytest
 import tvm
 from tvm import te, tirx
 
+from pipeline.config import load_target
 from pipeline.coverage import classify
-from pipeline.cpu_schedule import CPUInlineParallel
+from pipeline.cpu_schedule import CPUInlineParallel, _has_avx2
 from pipeline.models.layers import dequantize_q8_te, dequantize_te
 
 K, N = 96, 72   # K: 3 groups of 32; N: 3 prefill tiles
@@ -32,7 +33,7 @@ def _dequant_matmul(layout: str, bits: int, rows):
     return te.create_prim_func([x, w, s, out]).with_attr("global_symbol", "main")
 
 
-def _run(func, rows: int) -> np.ndarray:
+def _run(func, rows: int, target=None) -> np.ndarray:
     rng = np.random.default_rng(0)
     args = []
     for p in func.params:
@@ -45,7 +46,7 @@ def _run(func, rows: int) -> np.ndarray:
         else:
             a = (rng.standard_normal(shape) * (0.05 if dt == "float16" else 1)).astype(dt)
         args.append(tvm.runtime.tensor(a))
-    tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "llvm"}))["main"](*args)
+    tvm.compile(tvm.IRModule({"main": func}), target=target or tvm.target.Target({"kind": "llvm"}))["main"](*args)
     return args[-1].numpy()
 
 
@@ -216,6 +217,31 @@ def test_decode_q4_gemv_is_the_hand_written_kernel(n, relax_order):
     assert classify("fused_dequantize_q4_kn_matmul", sch.mod["main"]) == "dequant-gemv"   # coverage's class
     want = _run(func, 1)
     np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+HOST = load_target("host-cpu").tvm()     # this machine's -mcpu
+
+
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.parametrize("n", [72, 40, 192])
+@pytest.mark.parametrize("threads", [1, 3])    # 3: K's 3 groups split 3 ways, partial sums added at the end
+def test_decode_q4_gemv_takes_int16_dot_products_on_avx2(n, threads, monkeypatch):
+    """With AVX2 (host-cpu's -mcpu here) the q4 GEMV is the pmaddwd kernel: x quantized per group of 32 to
+    int16, so the result matches the fp32 TE within 2^-15 of each group's largest |x| times the weights'
+    magnitude — measured ~2e-5 relative; bounded here at 2e-4 of the largest output."""
+    from pipeline import cpu_schedule as cs
+    from pipeline.cpu_gemv import k_splits
+
+    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    assert k_splits(n, K, threads) == threads
+    func = _q4_gemv_func(n, relax_order=True)
+    sch = CPUInlineParallel().apply(func, HOST, False)
+    text = sch.mod["main"].script()
+    assert "pmadd.wd" in text and 'sblock("dequantize' not in text and "T.parallel" in text
+    assert "pmadd.wd" not in CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False).mod["main"].script()
+    want = _run(func, 1)
+    got = _run(sch.mod["main"], 1, HOST)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
 def test_hand_written_gemv_only_replaces_its_own_pattern():
