@@ -257,7 +257,7 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16")
 
 
 INT16_MAX = 32767.0
-SPLIT_K_MAX_N = 4096    # up to this many outputs a task's accumulators (16 KB) stay in L1: split K instead of N
+SPLIT_K_MAX_N = 65536   # up to this many outputs a task's partial sums (256 KB) stay in L2: split K, not N
 
 
 def build_threads() -> int:
@@ -270,8 +270,8 @@ def build_threads() -> int:
 def k_splits(n: int, k: int, threads: int) -> int:
     """Parts of K for `q4_kn_gemv_int16`: one per thread (each reads one contiguous block of rows, the
     layout's whole width, which the prefetchers stream; 1.2-1.5x column spans at 2 threads on SmolLM2's
-    layer shapes, while more parts than threads measured slower), a divisor of the group count; 1 (split
-    the columns) for wide outputs such as the lm_head."""
+    layer shapes and its 49152-wide lm_head, while more parts than threads measured slower), a divisor of
+    the group count; 1 (split the columns) for outputs too wide for a partial row in L2."""
     groups = k // FORMATS["q4"].group
     if n > SPLIT_K_MAX_N or threads < 2:
         return 1
@@ -311,16 +311,25 @@ def q4_kn_gemv_int16(n: int, k: int, scale_dtype: str = "float16", splits: int =
         d = T.alloc_buffer((groups,), "float32")     # the group's step, max|x| / 32767
         offset = T.alloc_buffer((groups,), "int32")  # 7 * sum of the group's q
         partial = T.alloc_buffer((splits, n), "float32")
+        lanes_f = T.alloc_buffer((LANES,), "float32")    # a group's 4 vectors folded into one, lane by lane
+        lanes_i = T.alloc_buffer((LANES,), "int32")
         for g in range(groups):
-            d[g] = T.float32(0)
-            for j in range(32):
-                d[g] = T.max(d[g], T.fabs(x[0, 0, g * 32 + j]))
+            lanes_f[T.Ramp(0, 1, LANES)] = T.fabs(x[0, 0, T.Ramp(g * 32, 1, LANES)])
+            for v in range(1, 32 // LANES):
+                lanes_f[T.Ramp(0, 1, LANES)] = T.max(lanes_f[T.Ramp(0, 1, LANES)],
+                                                     T.fabs(x[0, 0, T.Ramp(g * 32 + v * LANES, 1, LANES)]))
+            d[g] = lanes_f[0]
+            for j in range(1, LANES):
+                d[g] = T.max(d[g], lanes_f[j])
             for j in T.vectorized(32):
                 q[g * 32 + j] = T.Cast("int32", T.round(x[0, 0, g * 32 + j] * T.if_then_else(
                     d[g] > T.float32(0), T.float32(INT16_MAX) / d[g], T.float32(0))))
-            offset[g] = 0
-            for j in range(32):
-                offset[g] = offset[g] + q[g * 32 + j]
+            lanes_i[T.Ramp(0, 1, LANES)] = q[T.Ramp(g * 32, 1, LANES)]
+            for v in range(1, 32 // LANES):
+                lanes_i[T.Ramp(0, 1, LANES)] = lanes_i[T.Ramp(0, 1, LANES)] + q[T.Ramp(g * 32 + v * LANES, 1, LANES)]
+            offset[g] = lanes_i[0]
+            for j in range(1, LANES):
+                offset[g] = offset[g] + lanes_i[j]
             offset[g] = offset[g] * 7
             d[g] = d[g] * T.float32(1.0 / INT16_MAX)
         for kw in range(words):
@@ -329,8 +338,9 @@ def q4_kn_gemv_int16(n: int, k: int, scale_dtype: str = "float16", splits: int =
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((vecs,), vi, scope="local")
             word = T.alloc_buffer((vecs,), vu, scope="local")
-            for j in T.vectorized(span):
-                partial[task // col_tasks, task % col_tasks * span + j] = T.float32(0)
+            for jo in range(span // LANES):
+                for ji in T.vectorized(LANES):
+                    partial[task // col_tasks, task % col_tasks * span + jo * LANES + ji] = T.float32(0)
             for gg in range(per_task):
                 for t in range(span // tile):
                     g = task // col_tasks * per_task + gg
@@ -352,13 +362,16 @@ def q4_kn_gemv_int16(n: int, k: int, scale_dtype: str = "float16", splits: int =
                             vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
                             vf, part[j] - T.Broadcast(offset[g], LANES))
             if splits == 1:     # static: the columns' own sums are the result
-                for j in T.vectorized(span):
-                    out[0, 0, task * span + j] = partial[0, task * span + j]
+                for jo in range(span // LANES):
+                    for ji in T.vectorized(LANES):
+                        out[0, 0, task * span + jo * LANES + ji] = partial[0, task * span + jo * LANES + ji]
         if splits > 1:
-            for j in T.vectorized(n):
-                out[0, 0, j] = partial[0, j]
+            for jo in range(n // LANES):
+                for ji in T.vectorized(LANES):
+                    out[0, 0, jo * LANES + ji] = partial[0, jo * LANES + ji]
             for p in range(1, splits):
-                for j in T.vectorized(n):
-                    out[0, 0, j] = out[0, 0, j] + partial[p, j]
+                for jo in range(n // LANES):
+                    for ji in T.vectorized(LANES):
+                        out[0, 0, jo * LANES + ji] = out[0, 0, jo * LANES + ji] + partial[p, jo * LANES + ji]
 
     return gemv
