@@ -126,13 +126,13 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
 def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot: bool = False,
                         threads: int = 1) -> tirx.PrimFunc | None:
     """The hand-written kernel with `func`'s parameter order, or None when `func` is not such a GEMV.
-    `int16_dot`: the target has AVX2's pmaddwd (q4 then takes `q4_kn_gemv_int16`, K split `threads` ways)."""
+    `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`, K split `threads` ways)."""
     match = match_packed_kn_gemv(func, text)
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
-    if fmt == "q4" and int16_dot and k % FORMATS["q4"].group == 0:
-        kernel = q4_kn_gemv_int16(n, k, scale_dtype, k_splits(n, k, threads))
+    if fmt in INT16_FORMATS and int16_dot and k % LANES == 0:
+        kernel = packed_kn_gemv_int16(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     else:
         kernel = (q8_kn_gemv if fmt == "q8" else packed_kn_gemv)(FORMATS[fmt], n, k, scale_dtype)
     return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt == "t2" else "dequant-gemv")
@@ -258,6 +258,7 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16")
 
 INT16_MAX = 32767.0
 SPLIT_K_MAX_N = 65536   # up to this many outputs a task's partial sums (256 KB) stay in L2: split K, not N
+INT16_FORMATS = ("q4", "t2")
 
 
 def build_threads() -> int:
@@ -267,37 +268,42 @@ def build_threads() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
 
 
-def k_splits(n: int, k: int, threads: int) -> int:
-    """Parts of K for `q4_kn_gemv_int16`: one per thread (each reads one contiguous block of rows, the
+def k_splits(n: int, k: int, threads: int, fmt: str = "q4") -> int:
+    """Parts of K for `packed_kn_gemv_int16`: one per thread (each reads one contiguous block of rows, the
     layout's whole width, which the prefetchers stream; 1.2-1.5x column spans at 2 threads on SmolLM2's
-    layer shapes and its 49152-wide lm_head, while more parts than threads measured slower), a divisor of
-    the group count; 1 (split the columns) for outputs too wide for a partial row in L2."""
-    groups = k // FORMATS["q4"].group
+    layer shapes and its 49152-wide lm_head, while more parts than threads measured slower), at most one
+    per group; 1 (split the columns) for outputs too wide for a partial row in L2."""
+    groups = -(-k // FORMATS[fmt].group)
     if n > SPLIT_K_MAX_N or threads < 2:
         return 1
-    return max(d for d in range(1, min(threads, groups) + 1) if groups % d == 0)
+    return min(threads, groups)
 
 
-def q4_kn_gemv_int16(n: int, k: int, scale_dtype: str = "float16", splits: int = 1) -> tirx.PrimFunc:
-    """The q4 GEMV with integer dot products (x86 AVX2 `pmaddwd`): 15 vector instructions per 8 x 8 codes
-    (shift, mask, pmaddwd, add per pair of codes) instead of 24 (mask, convert, FMA per code), which is
-    what bounded the fp32 kernel: one core ran it at 10-14 GB/s with the weights in cache, this at 16-20.
+def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
+                         splits: int = 1) -> tirx.PrimFunc:
+    """The q4 / t2 GEMV with integer dot products (x86 AVX2 `pmaddwd`), for q4 15 vector instructions per
+    8 x 8 codes (shift, mask, pmaddwd, add per pair of codes) instead of 24 (mask, convert, FMA per code),
+    which is what bounded the fp32 kernel: one core ran it at 10-14 GB/s with the weights in cache, this at
+    16-20.
 
-    x is quantized once per call, per group of 32 (the weights' group), to int16: q = round(x * 32767 /
-    max|x|), an error of at most 2^-16 of the group's largest activation — 30x finer than the fp16
-    activations of the GPU targets (measured ~2e-5 relative to the fp32 kernel's result). Per word of 8
-    codes (nibble i = k 8w + i) a shift by 4c and a mask 0x000F000F leave codes c and c + 4 in the two int16
-    halves of each lane; `pmaddwd` against the broadcast pair (q_c, q_c+4) adds both products into the
-    lane's int32. A group's sum of c * q is below 32 * 15 * 32767 < 2^24, so subtracting 7 * sum(q)
-    (the code offset) and converting to fp32 are exact; then out += s * d * that, d = max|x| / 32767.
+    x is quantized once per call, per group of the weights (32 for q4, 128 for t2), to int16: q = round(x *
+    32767 / max|x|), an error of at most 2^-16 of the group's largest activation — 30x finer than the fp16
+    activations of the GPU targets (measured ~2e-5 relative to the fp32 kernel's result). Per word of C
+    codes (code i = k C w + i) a shift by bits * c and a mask of one code in each int16 half leave codes c
+    and c + C/2 in the two halves of each lane; `pmaddwd` against the broadcast pair (q_c, q_c+C/2) adds both
+    products into the lane's int32. A group's sum of c * q stays below 2^24 (q4: 32 * 15 * 32767, t2:
+    128 * 2 * 32767), so subtracting offset * sum(q) and converting to fp32 are exact; then out += s * d *
+    that, d = max|x| / 32767. A last group shorter than the group (t2 at K = 576) is handled.
 
     `splits` > 1 (`k_splits`): task p sums groups [p G / splits, (p + 1) G / splits) over all n outputs
     into its own row of partial sums, added up at the end; 1: tasks own column spans over all of K."""
     vecs, tile, span = _tiling(n)
     if splits > 1:
         span = n
-    words, groups, per_group = k // 8, k // 32, 4      # 4 words of 8 codes per group of 32
-    per_task = groups // splits
+    bits, group, codes = spec.bits, spec.group, spec.codes
+    half = codes // 2
+    words, groups, per_group = k // codes, -(-k // group), group // codes
+    mask = ((1 << bits) - 1) * 0x00010001          # one code in each int16 half of a lane
     col_tasks = n // span
     i64 = T.int64
     vf, vi, vu, vh = f"float32x{LANES}", f"int32x{LANES}", f"uint32x{LANES}", f"int16x{2 * LANES}"
@@ -307,55 +313,55 @@ def q4_kn_gemv_int16(n: int, k: int, scale_dtype: str = "float16", splits: int =
              x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
         T.func_attr({"tirx.noalias": True})
         q = T.alloc_buffer((k,), "int32")            # x in int16 steps of its group
-        pairs = T.alloc_buffer((k // 2,), "int32")   # per word, c = 0..3: int16 q[8w + c] | q[8w + c + 4] << 16
+        pairs = T.alloc_buffer((k // 2,), "int32")   # per word, c < C/2: int16 q[C w + c] | q[C w + c + C/2] << 16
         d = T.alloc_buffer((groups,), "float32")     # the group's step, max|x| / 32767
-        offset = T.alloc_buffer((groups,), "int32")  # 7 * sum of the group's q
+        offset = T.alloc_buffer((groups,), "int32")  # the code offset times the sum of the group's q
         partial = T.alloc_buffer((splits, n), "float32")
-        lanes_f = T.alloc_buffer((LANES,), "float32")    # a group's 4 vectors folded into one, lane by lane
+        lanes_f = T.alloc_buffer((LANES,), "float32")    # a group's vectors folded into one, lane by lane
         lanes_i = T.alloc_buffer((LANES,), "int32")
         for g in range(groups):
-            lanes_f[T.Ramp(0, 1, LANES)] = T.fabs(x[0, 0, T.Ramp(g * 32, 1, LANES)])
-            for v in range(1, 32 // LANES):
+            lanes_f[T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+            lanes_i[T.Ramp(0, 1, LANES)] = T.Broadcast(0, LANES)
+            for v in range(T.min(group, k - g * group) // LANES):
                 lanes_f[T.Ramp(0, 1, LANES)] = T.max(lanes_f[T.Ramp(0, 1, LANES)],
-                                                     T.fabs(x[0, 0, T.Ramp(g * 32 + v * LANES, 1, LANES)]))
+                                                     T.fabs(x[0, 0, T.Ramp(g * group + v * LANES, 1, LANES)]))
             d[g] = lanes_f[0]
             for j in range(1, LANES):
                 d[g] = T.max(d[g], lanes_f[j])
-            for j in T.vectorized(32):
-                q[g * 32 + j] = T.Cast("int32", T.round(x[0, 0, g * 32 + j] * T.if_then_else(
-                    d[g] > T.float32(0), T.float32(INT16_MAX) / d[g], T.float32(0))))
-            lanes_i[T.Ramp(0, 1, LANES)] = q[T.Ramp(g * 32, 1, LANES)]
-            for v in range(1, 32 // LANES):
-                lanes_i[T.Ramp(0, 1, LANES)] = lanes_i[T.Ramp(0, 1, LANES)] + q[T.Ramp(g * 32 + v * LANES, 1, LANES)]
+            for v in range(T.min(group, k - g * group) // LANES):
+                for j in T.vectorized(LANES):
+                    q[g * group + v * LANES + j] = T.Cast("int32", T.round(x[0, 0, g * group + v * LANES + j] * T.if_then_else(
+                        d[g] > T.float32(0), T.float32(INT16_MAX) / d[g], T.float32(0))))
+                lanes_i[T.Ramp(0, 1, LANES)] = lanes_i[T.Ramp(0, 1, LANES)] + q[T.Ramp(g * group + v * LANES, 1, LANES)]
             offset[g] = lanes_i[0]
             for j in range(1, LANES):
                 offset[g] = offset[g] + lanes_i[j]
-            offset[g] = offset[g] * 7
+            offset[g] = offset[g] * spec.offset
             d[g] = d[g] * T.float32(1.0 / INT16_MAX)
         for kw in range(words):
-            for c in T.vectorized(4):
-                pairs[kw * 4 + c] = T.bitwise_or(T.bitwise_and(q[kw * 8 + c], 65535), T.shift_left(q[kw * 8 + c + 4], 16))
+            for c in T.vectorized(half):
+                pairs[kw * half + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
+                                                    T.shift_left(q[kw * codes + c + half], 16))
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((vecs,), vi, scope="local")
             word = T.alloc_buffer((vecs,), vu, scope="local")
             for jo in range(span // LANES):
                 for ji in T.vectorized(LANES):
                     partial[task // col_tasks, task % col_tasks * span + jo * LANES + ji] = T.float32(0)
-            for gg in range(per_task):
+            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
-                    g = task // col_tasks * per_task + gg
                     col = task % col_tasks * span + t * tile
                     for j in T.unroll(vecs):
                         part[j] = T.Broadcast(0, LANES)
-                    for kw in T.unroll(per_group):
+                    for kw in range(T.min(per_group, words - g * per_group)):
                         for j in T.unroll(vecs):
                             word[j] = w[g * per_group + kw, T.Ramp(col + j * LANES, 1, LANES)]
-                        for c in T.unroll(4):
+                        for c in T.unroll(half):
                             for j in T.unroll(vecs):
                                 part[j] = part[j] + T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", T.reinterpret(
-                                    vh, T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(4 * c), LANES)),
-                                                      T.Broadcast(T.uint32(0x000F000F), LANES))),
-                                    T.reinterpret(vh, T.Broadcast(pairs[(g * per_group + kw) * 4 + c], LANES)))
+                                    vh, T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(bits * c), LANES)),
+                                                      T.Broadcast(T.uint32(mask), LANES))),
+                                    T.reinterpret(vh, T.Broadcast(pairs[(g * per_group + kw) * half + c], LANES)))
                     for j in T.unroll(vecs):
                         partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
                             task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(

@@ -266,6 +266,35 @@ def test_decode_q8_gemv_is_the_hand_written_kernel():
     np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def _t2_gemv_func(k: int, n: int = 48):
+    from pipeline import ternary as tern
+    from pipeline.models.layers import dequantize_ternary_te
+
+    x = te.placeholder((1, 1, k), "float32", name="x")
+    w = te.placeholder((tern.packed_len("t2", k), n), "uint32", name="w")
+    s = te.placeholder((tern.n_groups(k), n), "float16", name="s")
+    wt = dequantize_ternary_te(w, s, "t2", "KN", k, n, "float32")
+    r = te.reduce_axis((0, k), name="k")
+    out = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
+    return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
+
+
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.parametrize("k", [256, 192, 576])   # 192 / 576: a last group of 64 weights (SmolLM2's K = 576)
+@pytest.mark.parametrize("threads", [1, 2, 3])   # 3 parts of 2 groups at K = 192: a part may hold only one
+def test_decode_t2_gemv_takes_int16_dot_products_on_avx2(k, threads, monkeypatch):
+    """t2 on AVX2: the same pmaddwd kernel with 2-bit fields (codes c and c + 8 per lane pair), x in int16
+    per group of 128; K split up to `threads` ways, parts of unequal group counts when they do not divide."""
+    from pipeline import cpu_schedule as cs
+
+    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    func = _t2_gemv_func(k)
+    sch = CPUInlineParallel().apply(func, HOST, False)
+    assert "pmadd.wd" in sch.mod["main"].script()
+    want = _run(func, 1)
+    np.testing.assert_allclose(_run(sch.mod["main"], 1, HOST), want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("k", [256, 192])     # 192: the last group of 128 holds only 64 weights (K = 576-like)
 def test_decode_t2_gemv_is_the_hand_written_kernel(k):
     """Ternary t2 (16 two-bit codes per word, (code - 1) * scale per 128): the same kernel with 2-bit fields."""
