@@ -126,15 +126,19 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
 def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot: bool = False,
                         threads: int = 1) -> tirx.PrimFunc | None:
     """The hand-written kernel with `func`'s parameter order, or None when `func` is not such a GEMV.
-    `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`, K split `threads` ways)."""
+    `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`). `threads`: the
+    threads the library runs with when known (host-cpu: `build_threads`), K split that many ways (int16 and
+    q8 kernels); 1 keeps column spans (a cross-compiled target: the phone's thread count is not known)."""
     match = match_packed_kn_gemv(func, text)
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
     if fmt in INT16_FORMATS and int16_dot and k % LANES == 0:
         kernel = packed_kn_gemv_int16(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
+    elif fmt == "q8":
+        kernel = q8_kn_gemv(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     else:
-        kernel = (q8_kn_gemv if fmt == "q8" else packed_kn_gemv)(FORMATS[fmt], n, k, scale_dtype)
+        kernel = packed_kn_gemv(FORMATS[fmt], n, k, scale_dtype)
     return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt == "t2" else "dequant-gemv")
 
 
@@ -220,10 +224,15 @@ def packed_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float
     return gemv
 
 
-def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16") -> tirx.PrimFunc:
-    """The same walk for int8 codes [k, n] (value code * scale): sign-extend 8 codes, convert, FMA."""
+def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", splits: int = 1) -> tirx.PrimFunc:
+    """The same walk for int8 codes [k, n] (value code * scale): sign-extend 8 codes, convert, FMA.
+    `splits` > 1: K split into that many parts over all n outputs, partial sums added at the end (as in
+    `packed_kn_gemv_int16`; 1.4x column spans at 2 threads on a 49152-wide lm_head)."""
     vecs, tile, span = _tiling(n)
+    if splits > 1:
+        span = n
     group, groups = spec.group, k // spec.group
+    col_tasks = n // span
     i64 = T.int64
     vf, vi, vc = f"float32x{LANES}", f"int32x{LANES}", f"int8x{LANES}"
 
@@ -231,14 +240,15 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16")
     def gemv(w: T.Buffer((i64(k), i64(n)), "int8"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
              x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
         T.func_attr({"tirx.noalias": True})
-        for task in T.parallel(n // span):
-            acc = T.alloc_buffer((span,), "float32", scope="local")
+        partial = T.alloc_buffer((splits, n), "float32")
+        for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((2 * vecs,), vf, scope="local")
-            for j in T.vectorized(span):
-                acc[j] = T.float32(0)
-            for g in range(groups):
+            for jo in range(span // LANES):
+                for ji in T.vectorized(LANES):
+                    partial[task // col_tasks, task % col_tasks * span + jo * LANES + ji] = T.float32(0)
+            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
-                    col = task * span + t * tile
+                    col = task % col_tasks * span + t * tile
                     for j in T.unroll(2 * vecs):
                         part[j] = T.Broadcast(T.float32(0), LANES)
                     for kk in range(group // 2):
@@ -248,10 +258,21 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16")
                                     vc, w[g * group + kk * 2 + c, T.Ramp(col + j * LANES, 1, LANES)]))) * T.Broadcast(
                                     x[0, 0, g * group + kk * 2 + c], LANES)
                     for j in T.unroll(vecs):
-                        acc[T.Ramp(t * tile + j * LANES, 1, LANES)] = acc[T.Ramp(t * tile + j * LANES, 1, LANES)] + T.Cast(
+                        partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
+                            task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
                             vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (part[j] + part[vecs + j])
-            for j in T.vectorized(span):
-                out[0, 0, task * span + j] = acc[j]
+            if splits == 1:     # static: the columns' own sums are the result
+                for jo in range(span // LANES):
+                    for ji in T.vectorized(LANES):
+                        out[0, 0, task * span + jo * LANES + ji] = partial[0, task * span + jo * LANES + ji]
+        if splits > 1:
+            for jo in range(n // LANES):
+                for ji in T.vectorized(LANES):
+                    out[0, 0, jo * LANES + ji] = partial[0, jo * LANES + ji]
+            for p in range(1, splits):
+                for jo in range(n // LANES):
+                    for ji in T.vectorized(LANES):
+                        out[0, 0, jo * LANES + ji] = out[0, 0, jo * LANES + ji] + partial[p, jo * LANES + ji]
 
     return gemv
 

@@ -22,7 +22,7 @@ class CPUInlineParallel(ScheduleRule):
         if not isinstance(func, tirx.PrimFunc):
             return None
         text = func.script()      # printed once: both checks below read it
-        kernel = packed_kn_gemv_like(func, text, int16_dot=_has_avx2(target), threads=build_threads())
+        kernel = packed_kn_gemv_like(func, text, int16_dot=_has_avx2(target), threads=_host_threads(target))
         if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
             return s_tir.Schedule(kernel)
         kernel = packed_kn_matmul_like(func, text)
@@ -82,6 +82,17 @@ def _has_avx2(target) -> bool:
         return target is not None and "llvm" in str(target.kind) and bool(codegen.target_has_features("avx2", target))
     except Exception:  # noqa: BLE001 - not an x86 LLVM target
         return False
+
+
+def _host_threads(target) -> int:
+    """`build_threads()` for a library built for this computer (an LLVM target without a foreign triple),
+    else 1: a cross-compiled library's thread count is the phone's, not known here."""
+    import platform
+
+    if target is None or "llvm" not in str(target.kind):
+        return 1
+    triple = str(target.attrs.get("mtriple", "") or "")
+    return build_threads() if not triple or triple.startswith(platform.machine()) else 1
 
 
 def _inline_producers(func: tirx.PrimFunc):

@@ -257,8 +257,13 @@ def test_hand_written_gemv_only_replaces_its_own_pattern():
     assert match_packed_kn_gemv(_dequant_matmul("KN", 8, 1))[0] == "q8"
 
 
-def test_decode_q8_gemv_is_the_hand_written_kernel():
-    """int8 codes (q8f16, and the lm_head of the ternary schemes): the same span walk, sign-extended codes."""
+@pytest.mark.parametrize("threads", [1, 2, 3])   # K's 3 groups in 1 / 2 (unequal) / 3 parts
+def test_decode_q8_gemv_is_the_hand_written_kernel(threads, monkeypatch):
+    """int8 codes (q8f16, and the lm_head of the ternary schemes): the same span walk, sign-extended codes;
+    K split one part per thread of a library built for this computer."""
+    from pipeline import cpu_schedule as cs
+
+    monkeypatch.setattr(cs, "build_threads", lambda: threads)
     func = _dequant_matmul("KN", 8, 1)
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     assert 'sblock("dequantize' not in sch.mod["main"].script()
