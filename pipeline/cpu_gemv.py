@@ -224,6 +224,30 @@ def packed_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float
     return gemv
 
 
+@T.macro
+def _zero_row(partial: T.Buffer, row: T.int32, start: T.int32, length: T.int32):
+    """partial[row, start:start + length] = 0, LANES at a time (one length-wide vector crashed LLVM)."""
+    for jo in range(length // LANES):
+        for ji in T.vectorized(LANES):
+            partial[row, start + jo * LANES + ji] = T.float32(0)
+
+
+@T.macro
+def _copy_row(out: T.Buffer, partial: T.Buffer, row: T.int32, start: T.int32, length: T.int32):
+    """out[0, 0, start:start + length] = partial[row, start:start + length]."""
+    for jo in range(length // LANES):
+        for ji in T.vectorized(LANES):
+            out[0, 0, start + jo * LANES + ji] = partial[row, start + jo * LANES + ji]
+
+
+@T.macro
+def _add_row(out: T.Buffer, partial: T.Buffer, row: T.int32, length: T.int32):
+    """out[0, 0, :length] += partial[row, :length]: one K part's sums into the result."""
+    for jo in range(length // LANES):
+        for ji in T.vectorized(LANES):
+            out[0, 0, jo * LANES + ji] = out[0, 0, jo * LANES + ji] + partial[row, jo * LANES + ji]
+
+
 def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", splits: int = 1) -> tirx.PrimFunc:
     """The same walk for int8 codes [k, n] (value code * scale): sign-extend 8 codes, convert, FMA.
     `splits` > 1: K split into that many parts over all n outputs, partial sums added at the end (as in
@@ -243,9 +267,7 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
         partial = T.alloc_buffer((splits, n), "float32")
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((2 * vecs,), vf, scope="local")
-            for jo in range(span // LANES):
-                for ji in T.vectorized(LANES):
-                    partial[task // col_tasks, task % col_tasks * span + jo * LANES + ji] = T.float32(0)
+            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
             for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
                     col = task % col_tasks * span + t * tile
@@ -262,17 +284,11 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
                             task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
                             vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (part[j] + part[vecs + j])
             if splits == 1:     # static: the columns' own sums are the result
-                for jo in range(span // LANES):
-                    for ji in T.vectorized(LANES):
-                        out[0, 0, task * span + jo * LANES + ji] = partial[0, task * span + jo * LANES + ji]
+                _copy_row(out, partial, 0, task * span, span)
         if splits > 1:
-            for jo in range(n // LANES):
-                for ji in T.vectorized(LANES):
-                    out[0, 0, jo * LANES + ji] = partial[0, jo * LANES + ji]
+            _copy_row(out, partial, 0, 0, n)
             for p in range(1, splits):
-                for jo in range(n // LANES):
-                    for ji in T.vectorized(LANES):
-                        out[0, 0, jo * LANES + ji] = out[0, 0, jo * LANES + ji] + partial[p, jo * LANES + ji]
+                _add_row(out, partial, p, n)
 
     return gemv
 
@@ -366,9 +382,7 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((vecs,), vi, scope="local")
             word = T.alloc_buffer((vecs,), vu, scope="local")
-            for jo in range(span // LANES):
-                for ji in T.vectorized(LANES):
-                    partial[task // col_tasks, task % col_tasks * span + jo * LANES + ji] = T.float32(0)
+            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
             for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
                     col = task % col_tasks * span + t * tile
@@ -389,16 +403,10 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
                             vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
                             vf, part[j] - T.Broadcast(offset[g], LANES))
             if splits == 1:     # static: the columns' own sums are the result
-                for jo in range(span // LANES):
-                    for ji in T.vectorized(LANES):
-                        out[0, 0, task * span + jo * LANES + ji] = partial[0, task * span + jo * LANES + ji]
+                _copy_row(out, partial, 0, task * span, span)
         if splits > 1:
-            for jo in range(n // LANES):
-                for ji in T.vectorized(LANES):
-                    out[0, 0, jo * LANES + ji] = partial[0, jo * LANES + ji]
+            _copy_row(out, partial, 0, 0, n)
             for p in range(1, splits):
-                for jo in range(n // LANES):
-                    for ji in T.vectorized(LANES):
-                        out[0, 0, jo * LANES + ji] = out[0, 0, jo * LANES + ji] + partial[p, jo * LANES + ji]
+                _add_row(out, partial, p, n)
 
     return gemv

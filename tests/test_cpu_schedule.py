@@ -303,18 +303,9 @@ def test_decode_t2_gemv_takes_int16_dot_products_on_avx2(k, threads, monkeypatch
 @pytest.mark.parametrize("k", [256, 192])     # 192: the last group of 128 holds only 64 weights (K = 576-like)
 def test_decode_t2_gemv_is_the_hand_written_kernel(k):
     """Ternary t2 (16 two-bit codes per word, (code - 1) * scale per 128): the same kernel with 2-bit fields."""
-    from pipeline import ternary as tern
     from pipeline.cpu_gemv import match_packed_kn_gemv
-    from pipeline.models.layers import dequantize_ternary_te
 
-    n = 48
-    x = te.placeholder((1, 1, k), "float32", name="x")
-    w = te.placeholder((tern.packed_len("t2", k), n), "uint32", name="w")
-    s = te.placeholder((tern.n_groups(k), n), "float16", name="s")
-    wt = dequantize_ternary_te(w, s, "t2", "KN", k, n, "float32")
-    r = te.reduce_axis((0, k), name="k")
-    out = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
-    func = te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
+    func = _t2_gemv_func(k)
     assert match_packed_kn_gemv(func)[0] == "t2"
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     assert 'sblock("dequantize' not in sch.mod["main"].script()
