@@ -22,7 +22,8 @@ class CPUInlineParallel(ScheduleRule):
         if not isinstance(func, tirx.PrimFunc):
             return None
         text = func.script()      # printed once: both checks below read it
-        kernel = packed_kn_gemv_like(func, text, int16_dot=_has_avx2(target), threads=_host_threads(target))
+        kernel = packed_kn_gemv_like(func, text, int16_dot=_has_avx2(target), threads=_host_threads(target),
+                                     byte_dot=_has_vnni(target))
         if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
             return s_tir.Schedule(kernel)
         kernel = packed_kn_matmul_like(func, text)
@@ -80,6 +81,18 @@ def _has_avx2(target) -> bool:
 
     try:
         return target is not None and "llvm" in str(target.kind) and bool(codegen.target_has_features("avx2", target))
+    except Exception:  # noqa: BLE001 - not an x86 LLVM target
+        return False
+
+
+def _has_vnni(target) -> bool:
+    """The target has AVX-512 VNNI on 256-bit vectors (vpdpbusd, e.g. Zen 4, Ice Lake and later): the byte
+    dot-product GEMV (cpu_gemv.packed_kn_gemv_vnni) applies."""
+    from tvm.target import codegen
+
+    try:
+        return (target is not None and "llvm" in str(target.kind)
+                and all(bool(codegen.target_has_features(f, target)) for f in ("avx512vnni", "avx512vl")))
     except Exception:  # noqa: BLE001 - not an x86 LLVM target
         return False
 

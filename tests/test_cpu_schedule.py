@@ -11,7 +11,7 @@ from tvm import te, tirx
 
 from pipeline.config import load_target
 from pipeline.coverage import classify
-from pipeline.cpu_schedule import CPUInlineParallel, _has_avx2
+from pipeline.cpu_schedule import CPUInlineParallel, _has_avx2, _has_vnni
 from pipeline.models.layers import dequantize_q8_te, dequantize_te
 
 K, N = 96, 72   # K: 3 groups of 32; N: 3 prefill tiles
@@ -220,6 +220,7 @@ def test_decode_q4_gemv_is_the_hand_written_kernel(n, relax_order):
 
 
 HOST = load_target("host-cpu").tvm()     # this machine's -mcpu
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})   # AVX2 without AVX-512 VNNI: the int16 kernels
 
 
 @pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
@@ -235,12 +236,12 @@ def test_decode_q4_gemv_takes_int16_dot_products_on_avx2(n, threads, monkeypatch
     monkeypatch.setattr(cs, "build_threads", lambda: threads)
     assert k_splits(n, K, threads) == threads
     func = _q4_gemv_func(n, relax_order=True)
-    sch = CPUInlineParallel().apply(func, HOST, False)
+    sch = CPUInlineParallel().apply(func, AVX2, False)
     text = sch.mod["main"].script()
     assert "pmadd.wd" in text and 'sblock("dequantize' not in text and "T.parallel" in text
     assert "pmadd.wd" not in CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False).mod["main"].script()
     want = _run(func, 1)
-    got = _run(sch.mod["main"], 1, HOST)
+    got = _run(sch.mod["main"], 1, AVX2)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
@@ -294,8 +295,27 @@ def test_decode_t2_gemv_takes_int16_dot_products_on_avx2(k, threads, monkeypatch
 
     monkeypatch.setattr(cs, "build_threads", lambda: threads)
     func = _t2_gemv_func(k)
-    sch = CPUInlineParallel().apply(func, HOST, False)
+    sch = CPUInlineParallel().apply(func, AVX2, False)
     assert "pmadd.wd" in sch.mod["main"].script()
+    want = _run(func, 1)
+    np.testing.assert_allclose(_run(sch.mod["main"], 1, AVX2), want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
+@pytest.mark.parametrize("fmt,n,k", [("q4", 72, K), ("q4", 40, K), ("q4", 192, K), ("t2", 48, 256),
+                                     ("t2", 48, 192), ("t2", 48, 576)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monkeypatch):
+    """With AVX-512 VNNI (this machine's znver4, if it is one) q4 and t2 take the vpdpbusd kernel: x at the
+    int16 kernel's precision, split into two signed bytes, so the same bound holds: within 2e-4 of the
+    largest output of the fp32 TE (measured 2e-5 to 7e-5)."""
+    from pipeline import cpu_schedule as cs
+
+    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    func = _q4_gemv_func(n, relax_order=True) if fmt == "q4" else _t2_gemv_func(k, n)   # q4: K = 96
+    sch = CPUInlineParallel().apply(func, HOST, False)
+    text = sch.mod["main"].script()
+    assert "vpdpbusd" in text and "pmadd.wd" not in text
     want = _run(func, 1)
     np.testing.assert_allclose(_run(sch.mod["main"], 1, HOST), want, rtol=0, atol=2e-4 * np.abs(want).max())
 
@@ -338,3 +358,47 @@ def test_rms_norm_reduces_each_row_inside_its_task(symbolic_rows):
     for n_rows in ((1, 5, 33) if symbolic_rows else (1,)):
         want = _run(func, n_rows)
         np.testing.assert_allclose(_run(sch.mod["main"], n_rows), want, rtol=1e-5, atol=1e-5)
+
+
+def _q8_gemv_func(n: int, k: int):
+    x = te.placeholder((1, 1, k), "float32", name="x")
+    w = te.placeholder((k, n), "int8", name="w")
+    s = te.placeholder((k // 32, n), "float16", name="s")
+    wt = dequantize_q8_te(w, s, "KN", k, n, "float32")
+    r = te.reduce_axis((0, k), name="k")
+    out = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
+    return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
+
+
+@pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
+@pytest.mark.parametrize("n,k", [(192, 96), (96, 576), (64, 64)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_q8_gemv_takes_byte_dot_products_with_vnni(n, k, threads, monkeypatch):
+    """q8 with VNNI: 4 rows of codes interleaved per column, sign bits flipped, vpdpbusd against x in two
+    bytes: within 2e-4 of the fp32 TE's largest output (measured ~2e-5); N not a multiple of 32 keeps the
+    fp32 kernel."""
+    from pipeline import cpu_schedule as cs
+
+    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    func = _q8_gemv_func(n, k)
+    sch = CPUInlineParallel().apply(func, HOST, False)
+    assert "vpdpbusd" in sch.mod["main"].script()
+    want = _run(func, 1)
+    np.testing.assert_allclose(_run(sch.mod["main"], 1, HOST), want, rtol=0, atol=2e-4 * np.abs(want).max())
+    assert "vpdpbusd" not in CPUInlineParallel().apply(_q8_gemv_func(72, k), HOST, False).mod["main"].script()
+
+
+def test_runtime_uses_every_cpu_by_default():
+    """TVM's pool alone takes half the CPUs on x86; importing the package first gives it all of them (what
+    the library was built for), unless TVM_NUM_THREADS says otherwise."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import pipeline, tvm; print(tvm.get_global_func('runtime.NumThreads')())"
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert int(out.split()[-1]) == len(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, TVM_NUM_THREADS="1"), capture_output=True,
+                         text=True, check=True).stdout
+    assert int(out.split()[-1]) == 1
