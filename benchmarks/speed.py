@@ -7,11 +7,11 @@ with random weights made here), on this machine, with the same number of threads
   process (TVM_NUM_THREADS) through the pipeline's own runtime (`pipeline.runner.Bundle(...).engine()`,
   the Engine that `python -m pipeline run` uses): prefill tok/s at each prompt length, decode tok/s over
   `decode_tokens` greedy tokens (right after the 128-token prompt), time to first token (prefill of
-  the 128-token prompt + argmax), peak RSS through decode (the child's own getrusage after its decode
-  runs) and over the whole child (os.wait4);
+  the 128-token prompt + argmax), peak RSS through decode (the child's own VmHWM after its decode
+  runs) and over the whole child (its VmHWM polled while it runs: `run_measured`);
 * llama.cpp on the same weights (its converter to an F16 GGUF, llama-quantize to each type):
   `llama-bench -p <lengths> -n <decode> -t <threads> -r N -o json`, peak RSS of that process
-  (os.wait4), and of a decode-only run (`-p 0 -n 16`) for the RSS through decode;
+  (the same way), and of a decode-only run (`-p 0 -n 16`) for the RSS through decode;
 * this machine's streaming-read bandwidth (a small C program, pthreads, compiled here with cc -O3 at
   bench time; the best of several passes over 1 GiB with `threads` threads), and for each decode figure
   the roofline ratio tok/s x bytes read per token / bandwidth. Bytes per token: ours, the coverage
@@ -200,19 +200,42 @@ def make_random_model(spec: dict[str, Any], dest: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------- child process
+def vm_hwm_bytes(pid: int | str = "self") -> int | None:
+    """Peak resident set of a running process's own address space (VmHWM of /proc/<pid>/status), or None
+    (no /proc, or the process has exited). Unlike getrusage's ru_maxrss it starts afresh at exec: a child
+    forked from this process inherits this process's peak in ru_maxrss (Linux keeps it across execve),
+    which once gave every bundle and llama-bench run of a model the 1 GB the parent had used to write
+    the model's weights."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def run_measured(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
-    """Run a command; its exit code, output, wall seconds and peak RSS (os.wait4's ru_maxrss, bytes)."""
+    """Run a command; its exit code, output, wall seconds and peak RSS in bytes: the largest VmHWM seen
+    while it runs (polled every 20 ms), else (a process too short to poll, no /proc) os.wait4's ru_maxrss."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)   # returns after its exec
+        hwm = None
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            seen = vm_hwm_bytes(proc.pid)
+            hwm = seen if hwm is None or (seen is not None and seen > hwm) else hwm
+            time.sleep(0.02)
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here: Popen must not wait again
         out.seek(0)
         err.seek(0)
         return {"rc": proc.returncode, "stdout": out.read().decode(errors="replace"),
                 "stderr": err.read().decode(errors="replace"), "seconds": wall,
-                "max_rss_bytes": int(usage.ru_maxrss) * 1024}
+                "max_rss_bytes": hwm if hwm is not None else int(usage.ru_maxrss) * 1024}
 
 
 def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -251,7 +274,7 @@ def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, d
             for _ in range(decode):
                 token = int(np.argmax(engine.decode(token)))
             out["decode_tok_s"].append(decode / (time.perf_counter() - t))
-    out["decode_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["decode_rss_bytes"] = vm_hwm_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for n in longer:
         for _ in range(long_reps):
             engine.reset()
@@ -652,14 +675,29 @@ def model_params(model: dict[str, Any]) -> int | None:
     return gguf_decode_bytes(f16)["params"] if f16.exists() else None
 
 
+def measurement_order(ours: list[str], theirs: list[str], counterparts: dict[str, str]) -> list[tuple[str, str]]:
+    """(side, scheme) in the order measured: each of ours, then its llama.cpp counterpart; the rest last."""
+    order: list[tuple[str, str]] = []
+    for scheme in ours:
+        order.append(("ours", scheme))
+        partner = counterparts.get(scheme)
+        if partner in theirs and ("llama.cpp", partner) not in order:
+            order.append(("llama.cpp", partner))
+    return order + [("llama.cpp", t) for t in theirs if ("llama.cpp", t) not in order]
+
+
 def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+    """Build every bundle and GGUF first, then measure them, each of ours right before its llama.cpp
+    counterpart (speed.yaml: counterparts): the machine is shared and its speed drifts over minutes (a
+    full run once saw 28-39 GB/s), so the two figures of a goal's ratio are taken next to each other."""
     log(f"{model['name']}: preparing weights ...")
     source, weights = model_source(model)
     long_ok = model.get("long_prefill_schemes", cfg["ours"])
+    ours: dict[str, dict[str, Any]] = {}
+    bundles: dict[str, Path] = {}
     for scheme in cfg["ours"]:
         row: dict[str, Any] = {"model": model["name"], "side": "ours", "scheme": scheme}
-        rows.append(row)
+        ours[scheme] = row
         if scheme not in model.get("ours", cfg["ours"]):
             row["note"] = "not measured on this model (speed.yaml: the model's `ours`)"
             continue
@@ -668,46 +706,64 @@ def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print) -> li
             row["bundle"] = str(b["bundle"].relative_to(ROOT))
             row["build_s"] = b["seconds"]
             row["bytes_per_token"] = bundle_decode_bytes(b["bundle"])
-            log(f"  ours {scheme}: built ({b['seconds']:.0f} s), measuring ...")
-            measured = model if scheme in long_ok else dict(model, prefill=model["prefill"][:1])
-            row["load_average_1m"] = os.getloadavg()[0]   # the machine is shared: the load it ran under
-            row.update(measure_bundle(b["bundle"], measured, cfg))
-            if scheme not in long_ok and len(model["prefill"]) > 1:
-                row["note"] = (f"prefill-{'/'.join(map(str, model['prefill'][1:]))} not measured "
-                               "(speed.yaml: long_prefill_schemes)")
-            log(f"  ours {scheme}: decode {_s(row['decode_tok_s'])} tok/s, prefill "
-                + ", ".join(f"{n}: {_s(v)}" for n, v in row["prefill_tok_s"].items()))
+            bundles[scheme] = b["bundle"]
+            log(f"  ours {scheme}: built ({b['seconds']:.0f} s)")
         except (RuntimeError, OSError, ValueError, KeyError) as err:
             row["note"] = f"failed: {str(err)[:200]}"
             log(f"  ours {scheme}: {row['note']}")
+    theirs = {t: {"model": model["name"], "side": "llama.cpp", "scheme": t} for t in cfg["llamacpp"]}
+    ggufs: dict[str, Path] = {}
     if lc is None:
-        rows += [{"model": model["name"], "side": "llama.cpp", "scheme": t, "note": "llama.cpp not built"}
-                 for t in cfg["llamacpp"]]
-        return rows
-    try:
-        ggufs = llamacpp_ggufs(lc, weights, list(cfg["llamacpp"]), WORK / "gguf" / model["name"])
-    except RuntimeError as err:
-        ggufs = {}
-        log(f"  llama.cpp conversion: {err}")
-    for qtype in cfg["llamacpp"]:
-        row = {"model": model["name"], "side": "llama.cpp", "scheme": qtype}
-        rows.append(row)
-        if qtype not in ggufs:
-            row["note"] = "no GGUF (conversion failed)"
-            continue
+        for row in theirs.values():
+            row["note"] = "llama.cpp not built"
+    else:
         try:
-            info = gguf_decode_bytes(ggufs[qtype])
-            row["bytes_per_token"] = info["bytes_per_token"]
-            row["load_average_1m"] = os.getloadavg()[0]
-            row.update(measure_gguf(lc, ggufs[qtype], model["prefill"], cfg["decode_tokens"], cfg["threads"],
-                                    model.get("llamacpp_reps", cfg["llamacpp_reps"])))
-            row["note"] = _gguf_types(ggufs[qtype])
-            log(f"  llama.cpp {qtype}: decode {_s(row['decode_tok_s'])} tok/s, prefill "
-                + ", ".join(f"{n}: {_s(v)}" for n, v in row["prefill_tok_s"].items()))
-        except (RuntimeError, ValueError, KeyError) as err:
-            row["note"] = f"failed: {str(err)[:200]}"
-            log(f"  llama.cpp {qtype}: {row['note']}")
-    return rows
+            ggufs = llamacpp_ggufs(lc, weights, list(cfg["llamacpp"]), WORK / "gguf" / model["name"])
+        except RuntimeError as err:
+            log(f"  llama.cpp conversion: {err}")
+        for qtype, row in theirs.items():
+            if qtype not in ggufs:
+                row["note"] = "no GGUF (conversion failed)"
+    for side, name in measurement_order(cfg["ours"], cfg["llamacpp"], cfg.get("counterparts", {})):
+        if side == "ours" and name in bundles:
+            _measure_ours(ours[name], bundles[name], model, cfg, name in long_ok, log)
+        elif side == "llama.cpp" and name in ggufs:
+            _measure_theirs(theirs[name], ggufs[name], lc, model, cfg, log)
+    return list(ours.values()) + list(theirs.values())
+
+
+def _measure_ours(row: dict[str, Any], bundle: Path, model: dict[str, Any], cfg: dict[str, Any], long_ok: bool,
+                  log=print) -> None:
+    scheme = row["scheme"]
+    try:
+        measured = model if long_ok else dict(model, prefill=model["prefill"][:1])
+        row["load_average_1m"] = os.getloadavg()[0]   # the machine is shared: the load it ran under
+        row.update(measure_bundle(bundle, measured, cfg))
+        if not long_ok and len(model["prefill"]) > 1:
+            row["note"] = (f"prefill-{'/'.join(map(str, model['prefill'][1:]))} not measured "
+                           "(speed.yaml: long_prefill_schemes)")
+        log(f"  ours {scheme}: decode {_s(row['decode_tok_s'])} tok/s, prefill "
+            + ", ".join(f"{n}: {_s(v)}" for n, v in row["prefill_tok_s"].items()))
+    except (RuntimeError, OSError, ValueError, KeyError) as err:
+        row["note"] = f"failed: {str(err)[:200]}"
+        log(f"  ours {scheme}: {row['note']}")
+
+
+def _measure_theirs(row: dict[str, Any], gguf: Path, lc, model: dict[str, Any], cfg: dict[str, Any],
+                    log=print) -> None:
+    qtype = row["scheme"]
+    try:
+        info = gguf_decode_bytes(gguf)
+        row["bytes_per_token"] = info["bytes_per_token"]
+        row["load_average_1m"] = os.getloadavg()[0]
+        row.update(measure_gguf(lc, gguf, model["prefill"], cfg["decode_tokens"], cfg["threads"],
+                                model.get("llamacpp_reps", cfg["llamacpp_reps"])))
+        row["note"] = _gguf_types(gguf)
+        log(f"  llama.cpp {qtype}: decode {_s(row['decode_tok_s'])} tok/s, prefill "
+            + ", ".join(f"{n}: {_s(v)}" for n, v in row["prefill_tok_s"].items()))
+    except (RuntimeError, ValueError, KeyError) as err:
+        row["note"] = f"failed: {str(err)[:200]}"
+        log(f"  llama.cpp {qtype}: {row['note']}")
 
 
 def _gguf_types(path: Path) -> str:

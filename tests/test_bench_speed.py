@@ -136,9 +136,15 @@ def test_parse_llama_bench_json():
 
 
 def test_run_measured_reports_the_childs_peak_rss_in_bytes():
-    run = speed.run_measured([sys.executable, "-c", "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096])"])
+    """The child's own peak, not this process's: with 600 MiB resident here first, a child that holds 100
+    MiB for half a second measures 100-400 MiB (ru_maxrss of a forked child would say >= 600)."""
+    held = bytearray(600 * 2**20)
+    held[::4096] = b"x" * len(held[::4096])
+    code = "import time; b = bytearray(100 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(0.5)"
+    run = speed.run_measured([sys.executable, "-c", code])
     assert run["rc"] == 0
-    assert 300 * 2**20 <= run["max_rss_bytes"] < 2 * 2**30
+    assert 100 * 2**20 <= run["max_rss_bytes"] < 400 * 2**20
+    del held
 
 
 def test_markdown_renders_a_made_up_result():
@@ -161,3 +167,13 @@ def test_markdown_renders_a_made_up_result():
     md = speed.markdown(res)
     assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 1.5 | 1024 | 1024 | 1.50 |" in md
     assert "PREDICTION" in md and "| m | q4f16 | 100.0 | 300.0 |" in md
+
+
+def test_each_of_ours_is_measured_next_to_its_counterpart():
+    cfg = speed.load_config()
+    order = speed.measurement_order(cfg["ours"], cfg["llamacpp"], cfg["counterparts"])
+    assert sorted(order) == sorted([("ours", s) for s in cfg["ours"]] + [("llama.cpp", t) for t in cfg["llamacpp"]])
+    for ours, theirs in cfg["counterparts"].items():
+        assert order.index(("llama.cpp", theirs)) == order.index(("ours", ours)) + 1
+    assert speed.measurement_order(["a", "b"], ["X", "Y"], {"b": "X"}) == [
+        ("ours", "a"), ("ours", "b"), ("llama.cpp", "X"), ("llama.cpp", "Y")]
