@@ -82,11 +82,123 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
     return matmul
 
 
-def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None) -> tirx.PrimFunc | None:
-    """The hand-written prefill kernel with `func`'s parameter order, or None when `func` is not one."""
+def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot: bool = False
+                          ) -> tirx.PrimFunc | None:
+    """The hand-written prefill kernel with `func`'s parameter order, or None when `func` is not one.
+    `byte_dot`: the target has AVX-512 VNNI (q4 / t2 then take `packed_kn_matmul_vnni`)."""
     match = match_packed_kn_gemv(func, text, rows="prompt")
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
-    kernel = packed_kn_matmul(FORMATS[fmt], n, k, scale_dtype)
+    if byte_dot and fmt in ("q4", "t2") and n % LANES == 0:
+        kernel = packed_kn_matmul_vnni(FORMATS[fmt], n, k, scale_dtype)
+    else:
+        kernel = packed_kn_matmul(FORMATS[fmt], n, k, scale_dtype)
     return substitute(func, kernel, order, "dequant-matmul-ternary" if fmt == "t2" else "dequant-matmul")
+
+
+VNNI_ROWS = 4      # prompt rows per register tile of the byte kernel (x 2 vectors x hi/lo: 16 int32 sums)
+
+
+def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = VNNI_ROWS):
+    """The q4 / t2 prefill with byte dot products (AVX-512 VNNI), x at the int16 kernels' precision as in
+    `cpu_gemv.packed_kn_gemv_vnni`: the fp32 kernel above is FMA-bound (8 multiply-adds per instruction);
+    `vpdpbusd` does 32, two per 4 multiply-adds of a lane with x in two bytes (hi, lo).
+
+    Every prompt row's x is quantized per group first (rows in parallel): its step d and, per word of codes
+    and shift c, the hi / lo bytes of the 4 x that meet that word's codes at shift c (cpu_gemv's "quads").
+    A task unpacks its 16 (or 8) columns of codes once — per word and shift, the 4 codes of each column as
+    the 4 bytes of a uint32 — then runs the prompt's rows `rows` at a time over them: per quad of k, one
+    `vpdpbusd` per row, vector and byte half; at the end of each group the int32 sums become fp32 (exact,
+    as in the decode kernel) and out += s * d * (256 hi + lo - offset * sum(q))."""
+    from .cpu_gemv import VNNI_Q_MAX
+
+    vecs = 2 if n % (2 * LANES) == 0 else 1
+    tile = vecs * LANES
+    bits, group, codes = spec.bits, spec.group, spec.codes
+    shifts = codes // 4
+    words, groups = k // codes, -(-k // group)
+    quads_n = words * shifts
+    mask = ((1 << bits) - 1) * 0x01010101
+    i64 = T.int64
+    vf, vi, vb = f"float32x{LANES}", f"int32x{LANES}", f"int8x{4 * LANES}"
+    m = tirx.Var("seq_len", "int64")
+
+    @T.macro
+    def row_block(xq, d, off, s, out, wq, iacc, facc, first, count, col):
+        """Rows first .. first + count - 1 (count a Python int) over the task's unpacked codes."""
+        for j in T.unroll(count * vecs):
+            facc[j] = T.Broadcast(T.float32(0), LANES)
+        for g in range(groups):
+            for j in T.unroll(2 * count * vecs):
+                iacc[j] = T.Broadcast(0, LANES)
+            for qd in range(T.min(group, k - g * group) // 4):
+                for r in T.unroll(count):
+                    for h in T.unroll(2):
+                        for j in T.unroll(vecs):
+                            iacc[(r * 2 + h) * vecs + j] = T.call_llvm_pure_intrin(
+                                vi, "llvm.x86.avx512.vpdpbusd.256", iacc[(r * 2 + h) * vecs + j],
+                                T.reinterpret(vb, wq[g * group // 4 + qd, T.Ramp(j * LANES, 1, LANES)]),
+                                T.reinterpret(vb, T.Broadcast(xq[first + r, h, g * group // 4 + qd], LANES)))
+            for r in T.unroll(count):
+                for j in T.unroll(vecs):
+                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (
+                        T.Broadcast(d[first + r, g], LANES) * T.Cast(
+                            vf, iacc[r * 2 * vecs + j] * T.Broadcast(256, LANES) + iacc[(r * 2 + 1) * vecs + j]
+                            - T.Broadcast(off[first + r, g], LANES)))
+        for r in T.unroll(count):
+            for j in T.unroll(vecs):
+                out[0, first + r, T.Ramp(col + j * LANES, 1, LANES)] = facc[r * vecs + j]
+
+    @T.prim_func(private=True)
+    def matmul(w: T.Buffer((i64(words), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+               x: T.Buffer((i64(1), m, i64(k)), "float32"), out: T.Buffer((i64(1), m, i64(n)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        xq = T.alloc_buffer((m, 2, quads_n), "int32")     # per row: [hi | lo] bytes of x per word and shift
+        d = T.alloc_buffer((m, groups), "float32")
+        off = T.alloc_buffer((m, groups), "int32")         # the code offset times the sum of the group's q
+        for row in T.parallel(m):
+            q = T.alloc_buffer((k,), "int32", scope="local")
+            hi = T.alloc_buffer((k,), "int32", scope="local")
+            for g in range(groups):
+                d[row, g] = T.float32(0)
+                for j in range(T.min(group, k - g * group)):
+                    d[row, g] = T.max(d[row, g], T.fabs(x[0, row, g * group + j]))
+                off[row, g] = 0
+                for j in range(T.min(group, k - g * group)):
+                    q[g * group + j] = T.Cast("int32", T.round(x[0, row, g * group + j] * T.if_then_else(
+                        d[row, g] > T.float32(0), T.float32(VNNI_Q_MAX) / d[row, g], T.float32(0))))
+                    hi[g * group + j] = T.shift_right(q[g * group + j] + 128, 8)
+                    off[row, g] = off[row, g] + q[g * group + j]
+                off[row, g] = off[row, g] * spec.offset
+                d[row, g] = d[row, g] * T.float32(1.0 / VNNI_Q_MAX)
+            for kw in range(words):
+                for c in range(shifts):
+                    xq[row, 0, kw * shifts + c] = T.bitwise_or(
+                        T.bitwise_or(T.bitwise_and(hi[kw * codes + c], 255),
+                                     T.shift_left(T.bitwise_and(hi[kw * codes + shifts + c], 255), 8)),
+                        T.bitwise_or(T.shift_left(T.bitwise_and(hi[kw * codes + 2 * shifts + c], 255), 16),
+                                     T.shift_left(hi[kw * codes + 3 * shifts + c], 24)))
+                    xq[row, 1, kw * shifts + c] = T.bitwise_or(
+                        T.bitwise_or(T.bitwise_and(q[kw * codes + c] - hi[kw * codes + c] * 256, 255),
+                                     T.shift_left(T.bitwise_and(
+                                         q[kw * codes + shifts + c] - hi[kw * codes + shifts + c] * 256, 255), 8)),
+                        T.bitwise_or(T.shift_left(T.bitwise_and(
+                            q[kw * codes + 2 * shifts + c] - hi[kw * codes + 2 * shifts + c] * 256, 255), 16),
+                                     T.shift_left(q[kw * codes + 3 * shifts + c] - hi[kw * codes + 3 * shifts + c] * 256, 24)))
+        for task in T.parallel(n // tile):
+            wq = T.alloc_buffer((quads_n, tile), "uint32")   # per word and shift: 4 codes of each column as bytes
+            iacc = T.alloc_buffer((2 * rows * vecs,), vi, scope="local")
+            facc = T.alloc_buffer((rows * vecs,), vf, scope="local")
+            col: T.let[T.int64] = T.Cast("int64", task) * tile
+            for kw in range(words):
+                for c in T.unroll(shifts):
+                    for j in T.vectorized(tile):
+                        wq[kw * shifts + c, j] = T.bitwise_and(T.shift_right(w[kw, col + j], T.uint32(bits * c)),
+                                                               T.uint32(mask))
+            for b in range(m // rows):
+                row_block(xq, d, off, s, out, wq, iacc, facc, b * rows, rows, col)
+            for r in range(m % rows):
+                row_block(xq, d, off, s, out, wq, iacc, facc, m // rows * rows + r, 1, col)
+
+    return matmul

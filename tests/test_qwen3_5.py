@@ -270,7 +270,10 @@ def test_pipeline_run_drives_a_hybrid_bundle(trained_model, build_bundle, capsys
                  "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr()
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):].tolist()
+        # an explicit mask: without one generate masks every prompt token equal to pad_token_id (this
+        # prompt holds a 0), which changed its first token
+        ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long)
+                             )[0, len(prompt_ids):].tolist()
     assert out.out.split() == [f"w{i}" for i in ref]
     assert "prompt tokens" in out.err and "decode" in out.err
