@@ -10,7 +10,9 @@ with random weights made here), on this machine, with the same number of threads
   the 128-token prompt + argmax), peak RSS through decode (the child's own VmHWM after its decode
   runs) and over the whole child (its VmHWM polled while it runs: `run_measured`);
 * llama.cpp on the same weights (its converter to an F16 GGUF, llama-quantize to each type):
-  `llama-bench -p <lengths> -n <decode> -t <threads> -r N -o json`, peak RSS of that process
+  `llama-bench -p <lengths> -n <decode> -t <threads> -r N -o json`, decode again after as many cached
+  tokens as ours (`-d <first prompt length>`: the decode figure; the empty-context tg is kept beside it),
+  peak RSS of that process
   (the same way), and of a decode-only run (`-p 0 -n 16`) for the RSS through decode;
 * this machine's streaming-read bandwidth (a small C program, pthreads, compiled here with cc -O3 at
   bench time; the best of several passes over 1 GiB with `threads` threads), and for each decode figure
@@ -400,13 +402,20 @@ def measure_gguf(lc, gguf: Path, prefill: list[int], decode: int, threads: int, 
     full = run_measured([bench, *common, "-p", ",".join(map(str, prefill)), "-n", str(decode), "-r", str(reps)])
     if full["rc"] != 0:
         raise RuntimeError(f"llama-bench on {gguf.name} failed (exit {full['rc']}): {full['stderr'][-200:]}")
+    # decode after as many cached tokens as ours decodes after (its first prompt): attention over them is
+    # part of every step (-d, n_depth); the tg above, from an empty context, is kept beside it
+    deep = run_measured([bench, *common, "-p", "0", "-n", str(decode), "-d", str(prefill[0]), "-r", str(reps)])
+    if deep["rc"] != 0:
+        raise RuntimeError(f"llama-bench -d on {gguf.name} failed (exit {deep['rc']}): {deep['stderr'][-200:]}")
     # decode-only process for the RSS through decode (16 tokens: the buffers are the same as for more)
     dec = run_measured([bench, *common, "-p", "0", "-n", "16", "-r", "1", "--no-warmup"])
     parsed = parse_llama_bench(full["stdout"])
     t = parsed["tests"]
     first = t.get(f"pp{prefill[0]}", {}).get("median")
     return {"prefill_tok_s": {str(n): t.get(f"pp{n}", spread([])) for n in prefill},
-            "decode_tok_s": t.get(f"tg{decode}", spread([])),
+            "decode_tok_s": parse_llama_bench(deep["stdout"])["tests"].get(f"tg{decode}", spread([])),
+            "decode_depth": prefill[0],
+            "decode_tok_s_empty_context": t.get(f"tg{decode}", spread([])),
             "ttft_s": {"median": prefill[0] / first if first else None, "derived": f"{prefill[0]} / pp{prefill[0]}"},
             "peak_rss_bytes": full["max_rss_bytes"],
             "decode_rss_bytes": dec["max_rss_bytes"] if dec["rc"] == 0 else None,
@@ -588,7 +597,8 @@ def markdown(res: dict[str, Any]) -> str:
              + (f"{bw['gbs']:.2f} GB/s best, {_s(bw['spread_gbs'])} over passes — {bw['method']}."
                 if bw.get("gbs") else f"not measured ({bw.get('error')})"), "",
              "Figures: median (min–max) over the repetitions. Decode: greedy tokens right after the first (shortest) "
-             "prompt (ours) / llama-bench tg from an empty context (llama.cpp). TTFT: prefill of the shortest prompt "
+             "prompt (ours) / llama-bench tg after as many cached tokens (-d, llama.cpp; from an empty context in the "
+             "JSON's decode_tok_s_empty_context). TTFT: prefill of the shortest prompt "
              "(+ argmax); llama.cpp's is derived as n / pp<n>. Roofline: decode tok/s × bytes read per token / "
              "bandwidth. RSS in MiB: through decode (ours: the child's peak after its decode runs; llama.cpp: a "
              "decode-only llama-bench process, -p 0 -n 16) and the whole process. Our processes run Python + TVM's "
