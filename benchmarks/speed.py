@@ -587,7 +587,8 @@ def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     bw = res["bandwidth"]
     lines = [f"# CPU speed — ours vs llama.cpp ({res['date']}{', quick' if res['quick'] else ''})", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gb']:.1f} GB RAM; {res['threads']} threads on both "
+             f"Machine: {m['cpu']} ({' '.join(m.get('isa') or ['ISA not recorded'])}), {m['cores']} cores, "
+             f"{m['ram_gb']:.1f} GB RAM; {res['threads']} threads on both "
              f"sides; load average {res['load_average']['before']:.2f} before, {res['load_average']['after']:.2f} "
              "after (the machine is shared: figures are what was measured under that load).",
              f"Versions: TVM {m['packages'].get('apache-tvm')}, llama.cpp vendored in llama-cpp-python "
@@ -653,7 +654,22 @@ def machine_info() -> dict[str, Any]:
         info["ram_gb"] = kb * 1024 / 1e9
     except (OSError, StopIteration):
         info["ram_gb"] = float("nan")
+    info["isa"] = cpu_isa()
     return info
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16")
+
+
+def cpu_isa(cpuinfo: str | None = None) -> list[str]:
+    """The vector ISA extensions both sides' kernels choose by (ours: cpu_schedule; llama.cpp: -march=native),
+    from /proc/cpuinfo: a ratio measured on an AVX-512 VNNI CPU is not one measured on an AVX2-only one."""
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return [f for f in ISA_FLAGS if f in flags]
 
 
 def git_commit() -> str:

@@ -177,3 +177,9 @@ def test_each_of_ours_is_measured_next_to_its_counterpart():
         assert order.index(("llama.cpp", theirs)) == order.index(("ours", ours)) + 1
     assert speed.measurement_order(["a", "b"], ["X", "Y"], {"b": "X"}) == [
         ("ours", "a"), ("ours", "b"), ("llama.cpp", "X"), ("llama.cpp", "Y")]
+
+
+def test_cpu_isa_reads_the_flags_that_pick_kernels():
+    text = "processor : 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512vl avx512_vnni bmi2\n"
+    assert speed.cpu_isa(text) == ["avx2", "fma", "avx512f", "avx512vl", "avx512_vnni"]
+    assert speed.cpu_isa("processor : 0\n") == []
