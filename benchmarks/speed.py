@@ -31,7 +31,8 @@ recorded before and after): figures are what was measured under that load.
     .venv/bin/python benchmarks/speed.py --quick      # default model, 128-token prefill, fewer reps
     make bench-speed [BENCH_ARGS=--quick]
 
-Results: benchmarks/results/speed-<date>[-quick].{json,md}. Not a test: `make test` runs only
+Results: benchmarks/results/speed-<date>[-quick][-<commit>].{json,md} (the commit when that day's name is
+taken). Not a test: `make test` runs only
 tests/test_bench_speed.py (the math here).
 """
 
@@ -799,6 +800,19 @@ def _gguf_types(path: Path) -> str:
     return "types: " + ", ".join(f"{k}×{v}" for k, v in gguf_matrices(path)["types"].items())
 
 
+def result_stem(folder: Path, date: str, quick: bool, commit: str) -> str:
+    """speed-<date>[-quick], or with the commit appended when a run of that day already has the name (a
+    second run must not overwrite the first: results are cited by name)."""
+    stem = f"speed-{date}" + ("-quick" if quick else "")
+    if not (folder / f"{stem}.json").exists():
+        return stem
+    short = re.sub(r"[^0-9A-Za-z+-]", "", commit)[:12] or "rerun"
+    candidate, n = f"{stem}-{short}", 2
+    while (folder / f"{candidate}.json").exists():
+        candidate, n = f"{stem}-{short}-{n}", n + 1
+    return candidate
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="default model, 128-token prefill, fewer repetitions")
@@ -873,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
               "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
               "seconds": time.time() - t_start}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"speed-{date}" + ("-quick" if args.quick else "")
+    stem = result_stem(RESULTS, date, args.quick, result.get("git_commit", ""))
     _write_atomic(RESULTS / f"{stem}.json", json.dumps(result, indent=1, default=str) + "\n")
     _write_atomic(RESULTS / f"{stem}.md", markdown(result))
     print(markdown(result))

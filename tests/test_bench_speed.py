@@ -183,3 +183,12 @@ def test_cpu_isa_reads_the_flags_that_pick_kernels():
     text = "processor : 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512vl avx512_vnni bmi2\n"
     assert speed.cpu_isa(text) == ["avx2", "fma", "avx512f", "avx512vl", "avx512_vnni"]
     assert speed.cpu_isa("processor : 0\n") == []
+
+
+def test_a_second_run_of_a_day_does_not_overwrite_the_first(tmp_path):
+    assert speed.result_stem(tmp_path, "2026-12-02", False, "abc1234") == "speed-2026-12-02"
+    (tmp_path / "speed-2026-12-02.json").write_text("{}")
+    assert speed.result_stem(tmp_path, "2026-12-02", False, "abc1234") == "speed-2026-12-02-abc1234"
+    (tmp_path / "speed-2026-12-02-abc1234.json").write_text("{}")
+    assert speed.result_stem(tmp_path, "2026-12-02", False, "abc1234") == "speed-2026-12-02-abc1234-2"
+    assert speed.result_stem(tmp_path, "2026-12-02", True, "abc1234") == "speed-2026-12-02-quick"
