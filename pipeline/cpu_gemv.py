@@ -260,6 +260,49 @@ def _add_row(out: T.Buffer, partial: T.Buffer, row: T.int32, length: T.int32):
             out[0, 0, jo * LANES + ji] = out[0, 0, jo * LANES + ji] + partial[row, jo * LANES + ji]
 
 
+@T.macro
+def _quantize_groups(x: T.Buffer, q: T.Buffer, d: T.Buffer, offset: T.Buffer, lanes_f: T.Buffer, lanes_i: T.Buffer,
+                     group: T.int32, k: T.int32, q_max: T.float32, code_offset: T.int32):
+    """x [1, 1, k] in integer steps of its group of `group` (the last one may be shorter): q = round(x * q_max /
+    max|x|), d = the step max|x| / q_max, offset = code_offset * sum(q); lanes_f / lanes_i: LANES scratch."""
+    for g in range((k + group - 1) // group):
+        lanes_f[T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+        lanes_i[T.Ramp(0, 1, LANES)] = T.Broadcast(0, LANES)
+        for v in range(T.min(group, k - g * group) // LANES):
+            lanes_f[T.Ramp(0, 1, LANES)] = T.max(lanes_f[T.Ramp(0, 1, LANES)],
+                                                 T.fabs(x[0, 0, T.Ramp(g * group + v * LANES, 1, LANES)]))
+        d[g] = lanes_f[0]
+        for j in range(1, LANES):
+            d[g] = T.max(d[g], lanes_f[j])
+        for v in range(T.min(group, k - g * group) // LANES):
+            for j in T.vectorized(LANES):
+                q[g * group + v * LANES + j] = T.Cast("int32", T.round(x[0, 0, g * group + v * LANES + j] * T.if_then_else(
+                    d[g] > T.float32(0), q_max / d[g], T.float32(0))))
+            lanes_i[T.Ramp(0, 1, LANES)] = lanes_i[T.Ramp(0, 1, LANES)] + q[T.Ramp(g * group + v * LANES, 1, LANES)]
+        offset[g] = lanes_i[0]
+        for j in range(1, LANES):
+            offset[g] = offset[g] + lanes_i[j]
+        offset[g] = offset[g] * code_offset
+        d[g] = d[g] * T.float32(1.0 / q_max)
+
+
+def quad_bytes(src: T.Buffer, base, stride):
+    """The int32 whose byte b is src[base + b * stride] (low 8 bits): x's values for the 4 codes one vpdpbusd
+    lane multiplies."""
+    return T.bitwise_or(
+        T.bitwise_or(T.bitwise_and(src[base], 255), T.shift_left(T.bitwise_and(src[base + stride], 255), 8)),
+        T.bitwise_or(T.shift_left(T.bitwise_and(src[base + 2 * stride], 255), 16), T.shift_left(src[base + 3 * stride], 24)))
+
+
+def quad_low_bytes(q: T.Buffer, hi: T.Buffer, base, stride):
+    """`quad_bytes` of lo = q - 256 hi (the low byte of q split as 256 hi + lo)."""
+    return T.bitwise_or(
+        T.bitwise_or(T.bitwise_and(q[base] - hi[base] * 256, 255),
+                     T.shift_left(T.bitwise_and(q[base + stride] - hi[base + stride] * 256, 255), 8)),
+        T.bitwise_or(T.shift_left(T.bitwise_and(q[base + 2 * stride] - hi[base + 2 * stride] * 256, 255), 16),
+                     T.shift_left(q[base + 3 * stride] - hi[base + 3 * stride] * 256, 24)))
+
+
 def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", splits: int = 1) -> tirx.PrimFunc:
     """The same walk for int8 codes [k, n] (value code * scale): sign-extend 8 codes, convert, FMA.
     `splits` > 1: K split into that many parts over all n outputs, partial sums added at the end (as in
@@ -369,25 +412,7 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
         partial = T.alloc_buffer((splits, n), "float32")
         lanes_f = T.alloc_buffer((LANES,), "float32")    # a group's vectors folded into one, lane by lane
         lanes_i = T.alloc_buffer((LANES,), "int32")
-        for g in range(groups):
-            lanes_f[T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
-            lanes_i[T.Ramp(0, 1, LANES)] = T.Broadcast(0, LANES)
-            for v in range(T.min(group, k - g * group) // LANES):
-                lanes_f[T.Ramp(0, 1, LANES)] = T.max(lanes_f[T.Ramp(0, 1, LANES)],
-                                                     T.fabs(x[0, 0, T.Ramp(g * group + v * LANES, 1, LANES)]))
-            d[g] = lanes_f[0]
-            for j in range(1, LANES):
-                d[g] = T.max(d[g], lanes_f[j])
-            for v in range(T.min(group, k - g * group) // LANES):
-                for j in T.vectorized(LANES):
-                    q[g * group + v * LANES + j] = T.Cast("int32", T.round(x[0, 0, g * group + v * LANES + j] * T.if_then_else(
-                        d[g] > T.float32(0), T.float32(INT16_MAX) / d[g], T.float32(0))))
-                lanes_i[T.Ramp(0, 1, LANES)] = lanes_i[T.Ramp(0, 1, LANES)] + q[T.Ramp(g * group + v * LANES, 1, LANES)]
-            offset[g] = lanes_i[0]
-            for j in range(1, LANES):
-                offset[g] = offset[g] + lanes_i[j]
-            offset[g] = offset[g] * spec.offset
-            d[g] = d[g] * T.float32(1.0 / INT16_MAX)
+        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, spec.offset)
         for kw in range(words):
             for c in T.vectorized(half):
                 pairs[kw * half + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
@@ -465,42 +490,14 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
         partial = T.alloc_buffer((splits, n), "float32")
         lanes_f = T.alloc_buffer((LANES,), "float32")
         lanes_i = T.alloc_buffer((LANES,), "int32")
-        for g in range(groups):
-            lanes_f[T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
-            lanes_i[T.Ramp(0, 1, LANES)] = T.Broadcast(0, LANES)
-            for v in range(T.min(group, k - g * group) // LANES):
-                lanes_f[T.Ramp(0, 1, LANES)] = T.max(lanes_f[T.Ramp(0, 1, LANES)],
-                                                     T.fabs(x[0, 0, T.Ramp(g * group + v * LANES, 1, LANES)]))
-            d[g] = lanes_f[0]
-            for j in range(1, LANES):
-                d[g] = T.max(d[g], lanes_f[j])
-            for v in range(T.min(group, k - g * group) // LANES):
-                for j in T.vectorized(LANES):
-                    q[g * group + v * LANES + j] = T.Cast("int32", T.round(x[0, 0, g * group + v * LANES + j] * T.if_then_else(
-                        d[g] > T.float32(0), T.float32(VNNI_Q_MAX) / d[g], T.float32(0))))
-                lanes_i[T.Ramp(0, 1, LANES)] = lanes_i[T.Ramp(0, 1, LANES)] + q[T.Ramp(g * group + v * LANES, 1, LANES)]
-            offset[g] = lanes_i[0]
-            for j in range(1, LANES):
-                offset[g] = offset[g] + lanes_i[j]
-            offset[g] = offset[g] * spec.offset
-            d[g] = d[g] * T.float32(1.0 / VNNI_Q_MAX)
+        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, VNNI_Q_MAX, spec.offset)
         for v in range(k // LANES):
             for j in T.vectorized(LANES):                 # arithmetic shift: floor((q + 128) / 256)
                 hi[v * LANES + j] = T.shift_right(q[v * LANES + j] + 128, 8)
         for kw in range(words):
             for c in T.vectorized(shifts):
-                quads[0, kw * shifts + c] = T.bitwise_or(
-                    T.bitwise_or(T.bitwise_and(hi[kw * codes + c], 255),
-                                 T.shift_left(T.bitwise_and(hi[kw * codes + shifts + c], 255), 8)),
-                    T.bitwise_or(T.shift_left(T.bitwise_and(hi[kw * codes + 2 * shifts + c], 255), 16),
-                                 T.shift_left(hi[kw * codes + 3 * shifts + c], 24)))
-                quads[1, kw * shifts + c] = T.bitwise_or(
-                    T.bitwise_or(T.bitwise_and(q[kw * codes + c] - hi[kw * codes + c] * 256, 255),
-                                 T.shift_left(T.bitwise_and(
-                                     q[kw * codes + shifts + c] - hi[kw * codes + shifts + c] * 256, 255), 8)),
-                    T.bitwise_or(T.shift_left(T.bitwise_and(
-                        q[kw * codes + 2 * shifts + c] - hi[kw * codes + 2 * shifts + c] * 256, 255), 16),
-                                 T.shift_left(q[kw * codes + 3 * shifts + c] - hi[kw * codes + 3 * shifts + c] * 256, 24)))
+                quads[0, kw * shifts + c] = quad_bytes(hi, kw * codes + c, shifts)
+                quads[1, kw * shifts + c] = quad_low_bytes(q, hi, kw * codes + c, shifts)
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((2 * vecs,), vi, scope="local")   # hi sums, then lo sums
             word = T.alloc_buffer((vecs,), vu, scope="local")
@@ -581,37 +578,13 @@ def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "floa
         partial = T.alloc_buffer((splits, n), "float32")
         lanes_f = T.alloc_buffer((LANES,), "float32")
         lanes_i = T.alloc_buffer((LANES,), "int32")
-        for g in range(groups):
-            lanes_f[T.Ramp(0, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
-            lanes_i[T.Ramp(0, 1, LANES)] = T.Broadcast(0, LANES)
-            for v in range(group // LANES):
-                lanes_f[T.Ramp(0, 1, LANES)] = T.max(lanes_f[T.Ramp(0, 1, LANES)],
-                                                     T.fabs(x[0, 0, T.Ramp(g * group + v * LANES, 1, LANES)]))
-            d[g] = lanes_f[0]
-            for j in range(1, LANES):
-                d[g] = T.max(d[g], lanes_f[j])
-            for v in range(group // LANES):
-                for j in T.vectorized(LANES):
-                    q[g * group + v * LANES + j] = T.Cast("int32", T.round(x[0, 0, g * group + v * LANES + j] * T.if_then_else(
-                        d[g] > T.float32(0), T.float32(VNNI_Q_MAX) / d[g], T.float32(0))))
-                lanes_i[T.Ramp(0, 1, LANES)] = lanes_i[T.Ramp(0, 1, LANES)] + q[T.Ramp(g * group + v * LANES, 1, LANES)]
-            offset[g] = lanes_i[0]
-            for j in range(1, LANES):
-                offset[g] = offset[g] + lanes_i[j]
-            offset[g] = offset[g] * 128
-            d[g] = d[g] * T.float32(1.0 / VNNI_Q_MAX)
+        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, VNNI_Q_MAX, 128)
         for v in range(k // LANES):
             for j in T.vectorized(LANES):                 # arithmetic shift: floor((q + 128) / 256)
                 hi[v * LANES + j] = T.shift_right(q[v * LANES + j] + 128, 8)
         for m in range(quads_n):
-            quads[0, m] = T.bitwise_or(
-                T.bitwise_or(T.bitwise_and(hi[4 * m], 255), T.shift_left(T.bitwise_and(hi[4 * m + 1], 255), 8)),
-                T.bitwise_or(T.shift_left(T.bitwise_and(hi[4 * m + 2], 255), 16), T.shift_left(hi[4 * m + 3], 24)))
-            quads[1, m] = T.bitwise_or(
-                T.bitwise_or(T.bitwise_and(q[4 * m] - hi[4 * m] * 256, 255),
-                             T.shift_left(T.bitwise_and(q[4 * m + 1] - hi[4 * m + 1] * 256, 255), 8)),
-                T.bitwise_or(T.shift_left(T.bitwise_and(q[4 * m + 2] - hi[4 * m + 2] * 256, 255), 16),
-                             T.shift_left(q[4 * m + 3] - hi[4 * m + 3] * 256, 24)))
+            quads[0, m] = quad_bytes(hi, 4 * m, 1)
+            quads[1, m] = quad_low_bytes(q, hi, 4 * m, 1)
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((8,), vi, scope="local")      # hi sums of the 4 vectors, then lo sums
             codes = T.alloc_buffer((4,), vb, scope="local")

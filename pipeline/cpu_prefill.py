@@ -111,7 +111,7 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
     the 4 bytes of a uint32 — then runs the prompt's rows `rows` at a time over them: per quad of k, one
     `vpdpbusd` per row, vector and byte half; at the end of each group the int32 sums become fp32 (exact,
     as in the decode kernel) and out += s * d * (256 hi + lo - offset * sum(q))."""
-    from .cpu_gemv import VNNI_Q_MAX
+    from .cpu_gemv import VNNI_Q_MAX, quad_bytes, quad_low_bytes
 
     vecs = 2 if n % (2 * LANES) == 0 else 1
     tile = vecs * LANES
@@ -174,18 +174,8 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
                 d[row, g] = d[row, g] * T.float32(1.0 / VNNI_Q_MAX)
             for kw in range(words):
                 for c in range(shifts):
-                    xq[row, 0, kw * shifts + c] = T.bitwise_or(
-                        T.bitwise_or(T.bitwise_and(hi[kw * codes + c], 255),
-                                     T.shift_left(T.bitwise_and(hi[kw * codes + shifts + c], 255), 8)),
-                        T.bitwise_or(T.shift_left(T.bitwise_and(hi[kw * codes + 2 * shifts + c], 255), 16),
-                                     T.shift_left(hi[kw * codes + 3 * shifts + c], 24)))
-                    xq[row, 1, kw * shifts + c] = T.bitwise_or(
-                        T.bitwise_or(T.bitwise_and(q[kw * codes + c] - hi[kw * codes + c] * 256, 255),
-                                     T.shift_left(T.bitwise_and(
-                                         q[kw * codes + shifts + c] - hi[kw * codes + shifts + c] * 256, 255), 8)),
-                        T.bitwise_or(T.shift_left(T.bitwise_and(
-                            q[kw * codes + 2 * shifts + c] - hi[kw * codes + 2 * shifts + c] * 256, 255), 16),
-                                     T.shift_left(q[kw * codes + 3 * shifts + c] - hi[kw * codes + 3 * shifts + c] * 256, 24)))
+                    xq[row, 0, kw * shifts + c] = quad_bytes(hi, kw * codes + c, shifts)
+                    xq[row, 1, kw * shifts + c] = quad_low_bytes(q, hi, kw * codes + c, shifts)
         for task in T.parallel(n // tile):
             wq = T.alloc_buffer((quads_n, tile), "uint32")   # per word and shift: 4 codes of each column as bytes
             iacc = T.alloc_buffer((2 * rows * vecs,), vi, scope="local")
