@@ -536,35 +536,60 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
 Q8_TILE = 32     # output columns per step of the q8 byte kernel: one 32-byte row load per k
 
 
+def _unpack_order(elems: int, high: bool) -> list[int]:
+    """A 2-input shuffle that interleaves the low (or high) halves of each 128-bit lane of two vectors of
+    `elems` elements (x86's `vpunpckl*` / `vpunpckh*`, which LLVM emits for exactly this order)."""
+    per_lane = elems // 2
+    first = per_lane // 2 if high else 0
+    return [src * elems + lane * per_lane + first + i
+            for lane in range(2) for i in range(per_lane // 2) for src in range(2)]
+
+
+_BYTES_LO, _BYTES_HI = _unpack_order(4 * LANES, False), _unpack_order(4 * LANES, True)
+_WORDS_LO, _WORDS_HI = _unpack_order(2 * LANES, False), _unpack_order(2 * LANES, True)
+_LANE_HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])   # 128-bit halves of two int32x8
+# vector v of `_interleave` holds columns 4 v .. 4 v + 3 (low lane) and 16 + 4 v .. 16 + 4 v + 3 (high lane):
+# columns 0-7 are the low halves of vectors 0 and 1, 8-15 those of 2 and 3, 16-23 / 24-31 their high halves
+_BYTES, _INT16S, _FLOATS = f"int8x{4 * LANES}", f"int16x{2 * LANES}", f"float32x{LANES}"
+
+
 @T.macro
-def _interleave(codes: T.Buffer, v: T.int32, w: T.Buffer, row: T.int32, col: T.int32, order: list):
-    """codes[v] = bytes of w[row: row + 4, col: col + 32] taken in `order` (lane j of vector v: the 4 rows of
-    column col + 8 v + j), sign bits flipped (int8 c -> unsigned c + 128)."""
-    codes[v] = T.bitwise_xor(T.Shuffle([
-        w[row, T.Ramp(col, 1, Q8_TILE)], w[row + 1, T.Ramp(col, 1, Q8_TILE)],
-        w[row + 2, T.Ramp(col, 1, Q8_TILE)], w[row + 3, T.Ramp(col, 1, Q8_TILE)]], order),
-        T.Broadcast(T.int8(-128), Q8_TILE))
+def _interleave(codes: T.Buffer, pairs: T.Buffer, w: T.Buffer, row: T.int32, col: T.int32):
+    """codes[0..3] = the bytes of w[row: row + 4, col: col + 32], 4 rows of a column per int32 lane (byte b
+    from row b), sign bits flipped (int8 c -> unsigned c + 128). Two rounds of in-lane unpacks (bytes of rows
+    0/1 and 2/3, then their 16-bit pairs): 8 single-cycle shuffles for 128 codes. The columns come out in
+    lane order (see `_LANE_HALVES`), which the group's sums undo once."""
+    for p in T.unroll(2):
+        pairs[2 * p] = T.reinterpret(_INT16S, T.Shuffle([w[row + 2 * p, T.Ramp(col, 1, Q8_TILE)],
+                                                    w[row + 2 * p + 1, T.Ramp(col, 1, Q8_TILE)]], _BYTES_LO))
+        pairs[2 * p + 1] = T.reinterpret(_INT16S, T.Shuffle([w[row + 2 * p, T.Ramp(col, 1, Q8_TILE)],
+                                                        w[row + 2 * p + 1, T.Ramp(col, 1, Q8_TILE)]], _BYTES_HI))
+    for h in T.unroll(2):
+        codes[2 * h] = T.bitwise_xor(T.reinterpret(_BYTES, T.Shuffle([pairs[h], pairs[2 + h]], _WORDS_LO)),
+                                     T.Broadcast(T.int8(-128), Q8_TILE))
+        codes[2 * h + 1] = T.bitwise_xor(T.reinterpret(_BYTES, T.Shuffle([pairs[h], pairs[2 + h]], _WORDS_HI)),
+                                         T.Broadcast(T.int8(-128), Q8_TILE))
 
 
 def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
                     splits: int = 1) -> tirx.PrimFunc:
     """The q8 GEMV with byte dot products (AVX-512 VNNI `vpdpbusd`), x at the int16 kernels' precision as in
     `packed_kn_gemv_vnni`. A `vpdpbusd` lane adds 4 byte products of one column, but KN int8 codes hold a
-    column's consecutive k in different rows: 4 rows of 32 columns are loaded and interleaved (a shuffle
-    LLVM lowers to 8 unpacks) into 4 vectors whose lane j holds the 4 codes of column 8 v + j. The signed
+    column's consecutive k in different rows: 4 rows of 32 columns are loaded and interleaved by in-lane
+    unpacks (`_interleave`) into 4 vectors whose int32 lanes each hold the 4 codes of one column. The signed
     codes become unsigned bytes by flipping the sign bit (c + 128), so a group's sum is corrected by 128 *
     sum(q) in int32, exactly (|sum c q| <= 32 * 127 * 32512 < 2^31) before its conversion to fp32. For the
     lm_head of the ternary schemes (28 of SmolLM2's 61 MB per token) and q8f16: 16 instructions per 128
-    codes instead of 48 (sign-extend, convert, FMA per 8)."""
+    codes instead of 48 (sign-extend, convert, FMA per 8). A single 4-input shuffle per vector (columns in
+    natural order) compiled to 8 `vpermt2b` + 4 blends per 128 codes: 1.3-1.4x slower on the 49152-wide
+    lm_head (2 threads, 30-53 MB of codes)."""
     tile = Q8_TILE
     span = n if splits > 1 else _span(n, tile)
     group, groups = spec.group, k // spec.group
     quads_n = k // 4
     col_tasks = n // span
     i64 = T.int64
-    vf, vi, vb = f"float32x{LANES}", f"int32x{LANES}", f"int8x{4 * LANES}"
-    order0, order1, order2, order3 = ([b * tile + LANES * v + j for j in range(LANES) for b in range(4)]
-                                      for v in range(tile // LANES))   # vector v, lane j, byte b <- row b, col 8 v + j
+    vi, vb = f"int32x{LANES}", f"int8x{4 * LANES}"
 
     @T.prim_func(private=True)
     def gemv(w: T.Buffer((i64(k), i64(n)), "int8"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
@@ -588,6 +613,8 @@ def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "floa
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((8,), vi, scope="local")      # hi sums of the 4 vectors, then lo sums
             codes = T.alloc_buffer((4,), vb, scope="local")
+            pairs = T.alloc_buffer((4,), f"int16x{2 * LANES}", scope="local")
+            sums = T.alloc_buffer((4,), vi, scope="local")
             _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
             for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
@@ -595,20 +622,18 @@ def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "floa
                     for j in T.unroll(8):
                         part[j] = T.Broadcast(0, LANES)
                     for m in range(group // 4):
-                        _interleave(codes, 0, w, g * group + m * 4, col, order0)
-                        _interleave(codes, 1, w, g * group + m * 4, col, order1)
-                        _interleave(codes, 2, w, g * group + m * 4, col, order2)
-                        _interleave(codes, 3, w, g * group + m * 4, col, order3)
+                        _interleave(codes, pairs, w, g * group + m * 4, col)
                         for h in T.unroll(2):
                             for v in T.unroll(4):
                                 part[h * 4 + v] = T.call_llvm_pure_intrin(
                                     vi, "llvm.x86.avx512.vpdpbusd.256", part[h * 4 + v], codes[v],
                                     T.reinterpret(vb, T.Broadcast(quads[h, g * group // 4 + m], LANES)))
-                    for v in T.unroll(4):
-                        partial[task // col_tasks, T.Ramp(col + v * LANES, 1, LANES)] = partial[
-                            task // col_tasks, T.Ramp(col + v * LANES, 1, LANES)] + T.Cast(
-                            vf, s[g, T.Ramp(col + v * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
-                            vf, part[v] * T.Broadcast(256, LANES) + part[4 + v] - T.Broadcast(offset[g], LANES))
+                    for v in T.unroll(4):    # exact in int32, columns still in lane order
+                        sums[v] = part[v] * T.Broadcast(256, LANES) + part[4 + v] - T.Broadcast(offset[g], LANES)
+                    _add_group(partial, task // col_tasks, col + 0 * LANES, s, g, d, sums[0], sums[1], _LANE_HALVES[0])
+                    _add_group(partial, task // col_tasks, col + 1 * LANES, s, g, d, sums[2], sums[3], _LANE_HALVES[0])
+                    _add_group(partial, task // col_tasks, col + 2 * LANES, s, g, d, sums[0], sums[1], _LANE_HALVES[1])
+                    _add_group(partial, task // col_tasks, col + 3 * LANES, s, g, d, sums[2], sums[3], _LANE_HALVES[1])
             if splits == 1:     # static: the columns' own sums are the result
                 _copy_row(out, partial, 0, task * span, span)
         if splits > 1:
@@ -617,3 +642,13 @@ def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "floa
                 _add_row(out, partial, p, n)
 
     return gemv
+
+
+@T.macro
+def _add_group(partial: T.Buffer, row: T.int32, col: T.int32, s: T.Buffer, g: T.int32, d: T.Buffer,
+               first, second, halves: list):
+    """partial[row, col: col + 8] += scale * step * the group's integer sums of those 8 columns, which are
+    the `halves` (`_LANE_HALVES`) of two of `_interleave`'s vectors."""
+    partial[row, T.Ramp(col, 1, LANES)] = partial[row, T.Ramp(col, 1, LANES)] + T.Cast(
+        _FLOATS, s[g, T.Ramp(col, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
+        _FLOATS, T.Shuffle([first, second], halves))
