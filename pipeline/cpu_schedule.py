@@ -71,6 +71,13 @@ class CPUInlineParallel(ScheduleRule):
                 return sch
             except Exception:  # noqa: BLE001 - fall back to the plain parallel form on a fresh schedule
                 sch, last, spatial, reduction = _inline_producers(func)
+        if not reduction and _vectorizable(sch, spatial[-1]):
+            # elementwise (a prompt's SiLU * up, residual adds): whole vectors along the last axis; fused
+            # with the rows into one flat loop, its div / mod indexing kept LLVM from vectorizing
+            outer, inner = sch.split(spatial[-1], factors=[None, VEC])
+            sch.parallel(sch.fuse(*spatial[:-1], outer))
+            sch.vectorize(inner)
+            return sch
         sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
         return sch
 
