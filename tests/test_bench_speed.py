@@ -192,3 +192,26 @@ def test_a_second_run_of_a_day_does_not_overwrite_the_first(tmp_path):
     (tmp_path / "speed-2026-12-02-abc1234.json").write_text("{}")
     assert speed.result_stem(tmp_path, "2026-12-02", False, "abc1234") == "speed-2026-12-02-abc1234-2"
     assert speed.result_stem(tmp_path, "2026-12-02", True, "abc1234") == "speed-2026-12-02-quick"
+
+
+def test_the_roofline_takes_the_best_bandwidth_probe_of_the_run():
+    """Probes at the start and after each model: the roofline divides by the best (a lower bound on the share
+    the machine allowed), and the result says how far the probes spread."""
+    def probe(gbs):
+        return {"gbs": gbs, "spread_gbs": speed.spread([gbs]), "threads": 2, "method": "C"}
+
+    bw = speed.combine_bandwidth([("start", probe(25.0)), ("after a", probe(44.0)), ("after b", probe(40.0))])
+    assert bw["gbs"] == 44.0 and bw["drift"] == 25.0 / 44.0
+    assert [p["when"] for p in bw["probes"]] == ["start", "after a", "after b"]
+    rows = [{"decode_tok_s": speed.spread([100.0]), "bytes_per_token": 2.2e8}]
+    speed.add_rooflines(rows, bw["gbs"])
+    assert rows[0]["roofline"] == 100.0 * 2.2e8 / 44e9
+    failed = {"gbs": None, "error": "no cc", "threads": 2}
+    assert speed.combine_bandwidth([("start", failed)]) == failed
+    res = {"date": "2026-01-01", "quick": True, "threads": 2, "decode_tokens": 64, "llamacpp_reps": 2,
+           "machine": {"cpu": "cpu", "cores": 2, "ram_gb": 8.0, "packages": {"apache-tvm": "0"}},
+           "git_commit": "abc", "llamacpp": {"version": "0.3.36", "build_commit": None}, "bandwidth": bw,
+           "load_average": {"before": 1.0, "after": 1.0}, "models": [], "rows": [], "compile": [],
+           "phones": {}, "phone_bandwidth_share": 0.6, "phone_predictions": [], "goals": []}
+    md = speed.markdown(res)
+    assert "25.0 (start), 44.0 (after a), 40.0 (after b)" in md and "worst probe 57% of the best" in md
