@@ -101,6 +101,23 @@ def test_ragged_prefill(kernels, causal):
     _check(out, lse, reference(qs, ks, vs, causal))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_ragged_prefill_any_rows_per_task(rows):
+    """The ragged kernel with other row counts per task than the default (2): rows past a sequence's end and
+    rows with different causal lengths in one task."""
+    rng = np.random.default_rng(2)
+    lengths = [7, 2, 1]
+    qs = [rng.standard_normal((n, H_Q, D)).astype(np.float32) for n in lengths]
+    ks = [rng.standard_normal((n, H_KV, D)).astype(np.float32) for n in lengths]
+    vs = [rng.standard_normal((n, H_KV, D)).astype(np.float32) for n in lengths]
+    indptr = np.cumsum([0, *lengths]).astype(np.int32)
+    out, lse = _outputs(indptr[-1])
+    _compile(ca.ragged_prefill(H_KV, H_Q, D, D, "float32", rows))(
+        _t(np.concatenate(qs)), _t(indptr), _t(np.concatenate(ks)), _t(np.concatenate(vs)), _t(indptr),
+        _t(np.zeros(indptr[-1], np.int32)), _t(np.zeros(len(lengths), np.int32)), out, lse, 1, 0, 1.0, 1e4, SM)
+    _check(out, lse, reference(qs, ks, vs, causal=1))
+
+
 def test_paged_decode(kernels):
     rng = np.random.default_rng(1)
     lengths = [1, 16, 17, 300, 0]                # one key, a full page, one over, many pages, none
