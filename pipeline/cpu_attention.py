@@ -6,8 +6,8 @@ spends ~9 G scalar multiply-adds in attention across 30 layers) and a growing sh
 The kernels here compute the same thing with the same names, signatures and outputs, so the runtime's KV
 cache calls them unchanged:
 
-* every (query row, head) is an independent task of a parallel loop (the ragged prefill: every pair of
-  consecutive rows of a head, sharing each K / V row load);
+* every (query row, head) is an independent task of a parallel loop (prefill: every pair of consecutive
+  rows of a head, sharing each K / V row load, `_row_block`);
 * keys are taken in tiles of TILE: the tile's scores (dot products split into LANES vector partial sums,
   since LLVM will not reorder a float reduction itself), one rescale of the running output per tile
   (online softmax, base 2 like TVM's: scores carry log2(e) * sm_scale), then the tile's weighted values
@@ -30,6 +30,7 @@ A kernel called with rotary_mode 1 stops with an error instead of computing with
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tvm
@@ -133,6 +134,75 @@ def _lane_sums(part: T.Buffer, base):
     return _pair_sums(v[0], v[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
 
 
+def _ragged_kv(k: T.Buffer, v: T.Buffer, kv0, head, which: int, key, c):
+    """Vector c of key `key`'s K (which 0) or V row in ragged [token, head, dim] K / V arrays."""
+    return (k if which == 0 else v)[kv0 + key, head, T.Ramp(c * LANES, 1, LANES)]
+
+
+def _paged_kv(pages: T.Buffer, page_values: T.Buffer, first, page_size: int, head, which: int, key, c):
+    """Vector c of key `key`'s K (which 0) or V row in the page pool [page, K|V, head, slot, dim]."""
+    return pages[page_values[first + key // page_size], which, head, key % page_size, T.Ramp(c * LANES, 1, LANES)]
+
+
+@T.macro
+def _row_block(q: T.Buffer, q0: T.int32, q_n: T.int32, first: T.int32, h: T.int32, kv_n: T.int32, causal: T.int32,
+               sm_scale: T.float32, output: T.Buffer, lse: T.Buffer, kv, acc: T.Buffer, qv: T.Buffer, sc: T.Buffer,
+               part: T.Buffer, pv: T.Buffer, st: T.Buffer, nk: T.Buffer, rows: int, d_qk: int, d_v: int, dtype: str):
+    """Rows first .. first + rows - 1 of a sequence's q_n queries (from q[q0]), head h, over its kv_n keys
+    (`kv(which, key, c)`: vector c of a key's K or V row): each key's K and V vectors loaded once for all the
+    rows; the rows' running outputs (acc) only ever at constant offsets, so they stay in registers; per row its
+    own causal length masks the tile and keeps its own online softmax. Rows past q_n repeat the last row and
+    are not written."""
+    for i in T.unroll(rows):
+        qi: T.let[T.int32] = T.min(first + i, q_n - 1)
+        nk[i] = T.max(T.if_then_else(causal > 0, T.min(kv_n - q_n + qi + 1, kv_n), kv_n), 0)
+        for x in T.vectorized(d_qk):
+            qv[i * d_qk + x] = T.Cast("float32", q[q0 + qi, h, x]) * (sm_scale * LOG2E)
+        for x in T.vectorized(d_v):
+            acc[i * d_v + x] = T.float32(0)
+        st[i * 3] = T.float32(NEG)
+        st[i * 3 + 1] = T.float32(1)     # as TVM's kernels: no keys gives output 0 and lse NEG
+    n_keys: T.let[T.int32] = nk[rows - 1]
+    for t in range((n_keys + TILE - 1) // TILE):
+        for jj in range(TILE):          # keys past the end read the last key; masked below
+            key: T.let[T.int32] = T.min(t * TILE + jj, n_keys - 1)
+            for i in T.unroll(rows):
+                pv[i] = T.Broadcast(T.float32(0), LANES)
+            for c in T.unroll(d_qk // LANES):
+                for i in T.unroll(rows):
+                    pv[i] = pv[i] + qv[T.Ramp(i * d_qk + c * LANES, 1, LANES)] * T.Cast(
+                        f"float32x{LANES}", kv(0, key, c))
+            for i in T.unroll(rows):
+                part[T.Ramp((i * TILE + jj) * LANES, 1, LANES)] = pv[i]
+        for i in T.unroll(rows):
+            for g in T.unroll(TILE // LANES):
+                sc[T.Ramp(i * TILE + g * LANES, 1, LANES)] = _lane_sums(part, (i * TILE + g * LANES) * LANES)
+            st[i * 3 + 2] = T.float32(NEG)
+            for jj in range(TILE):
+                if t * TILE + jj < nk[i]:
+                    st[i * 3 + 2] = T.max(st[i * 3 + 2], sc[i * TILE + jj])
+            if st[i * 3 + 2] > st[i * 3]:
+                st[i * 3 + 1] = st[i * 3 + 1] * T.exp2(st[i * 3] - st[i * 3 + 2])
+                for x in T.vectorized(d_v):
+                    acc[i * d_v + x] = acc[i * d_v + x] * T.exp2(st[i * 3] - st[i * 3 + 2])
+                st[i * 3] = st[i * 3 + 2]
+            for jj in T.vectorized(TILE):
+                sc[i * TILE + jj] = T.Select(t * TILE + jj < nk[i], _exp2(sc[i * TILE + jj] - st[i * 3]), T.float32(0))
+            for jj in range(TILE):
+                st[i * 3 + 1] = st[i * 3 + 1] + sc[i * TILE + jj]
+        for jj in range(TILE):
+            if t * TILE + jj < n_keys:
+                for c in T.unroll(d_v // LANES):
+                    for i in T.unroll(rows):
+                        acc[T.Ramp(i * d_v + c * LANES, 1, LANES)] = acc[T.Ramp(i * d_v + c * LANES, 1, LANES)] + (
+                            T.Broadcast(sc[i * TILE + jj], LANES) * T.Cast(f"float32x{LANES}", kv(1, t * TILE + jj, c)))
+    for i in T.unroll(rows):
+        if first + i < q_n:
+            for x in T.vectorized(d_v):
+                output[q0 + first + i, h, x] = T.Cast(dtype, acc[i * d_v + x] / st[i * 3 + 1])
+            lse[q0 + first + i, h] = st[i * 3] + T.log2(st[i * 3 + 1])
+
+
 def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, rows: int = PREFILL_ROWS):
     """Attention of each sequence's new tokens over its new tokens (causal or not): the prefill of a chunk
     with nothing cached yet. Signature of TVM's `tir_attention_prefill_ragged_cpu`.
@@ -143,7 +213,6 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, rows: i
     repeat its last row and are not written. 2 rows measured best (1.4x one row at 128 and 512 tokens, 16
     heads of 64; 3: the same at 128, slower at 512; 4: spills)."""
     group = h_q // h_kv
-    chunks = d_qk // LANES
 
     @T.prim_func
     def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -176,63 +245,14 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, rows: i
                 sc = T.decl_buffer((rows * TILE,), "float32")
                 part = T.decl_buffer((rows * TILE * LANES,), "float32")
                 pv = T.decl_buffer((rows,), f"float32x{LANES}", scope="local")
-                st = T.decl_buffer((rows * 3,), "float32")
+                st = T.decl_buffer((rows * 3,), "float32")   # per row: running max, running sum, tile max
                 nk = T.decl_buffer((rows,), "int32")
                 q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
                 blocks: T.let[T.int32] = (q_n + rows - 1) // rows
-                h: T.let[T.int32] = task // blocks
-                first: T.let[T.int32] = task % blocks * rows
-                kv0: T.let[T.int32] = kv_indptr[b]
-                for i in T.unroll(rows):
-                    qi: T.let[T.int32] = T.min(first + i, q_n - 1)     # rows past the end: the last again
-                    nk[i] = T.if_then_else(causal > 0, T.min(kv_n - q_n + qi + 1, kv_n), kv_n)
-                    for x in T.vectorized(d_qk):
-                        qv[i * d_qk + x] = T.Cast("float32", q[q_indptr[b] + qi, h, x]) * (sm_scale * LOG2E)
-                    for x in T.vectorized(d_v):
-                        acc[i * d_v + x] = T.float32(0)
-                    st[i * 3] = T.float32(NEG)
-                    st[i * 3 + 1] = T.float32(1)
-                n_keys: T.let[T.int32] = nk[rows - 1]
-                for t in range((n_keys + TILE - 1) // TILE):
-                    for jj in range(TILE):
-                        key: T.let[T.int32] = kv0 + T.min(t * TILE + jj, n_keys - 1)
-                        for i in T.unroll(rows):
-                            pv[i] = T.Broadcast(T.float32(0), LANES)
-                        for c in T.unroll(chunks):
-                            for i in T.unroll(rows):
-                                pv[i] = pv[i] + qv[T.Ramp(i * d_qk + c * LANES, 1, LANES)] * T.Cast(
-                                    f"float32x{LANES}", k[key, h // group, T.Ramp(c * LANES, 1, LANES)])
-                        for i in T.unroll(rows):
-                            part[T.Ramp((i * TILE + jj) * LANES, 1, LANES)] = pv[i]
-                    for i in T.unroll(rows):
-                        for g in T.unroll(TILE // LANES):
-                            sc[T.Ramp(i * TILE + g * LANES, 1, LANES)] = _lane_sums(part, (i * TILE + g * LANES) * LANES)
-                        st[i * 3 + 2] = T.float32(NEG)
-                        for jj in range(TILE):
-                            if t * TILE + jj < nk[i]:
-                                st[i * 3 + 2] = T.max(st[i * 3 + 2], sc[i * TILE + jj])
-                        if st[i * 3 + 2] > st[i * 3]:
-                            st[i * 3 + 1] = st[i * 3 + 1] * T.exp2(st[i * 3] - st[i * 3 + 2])
-                            for x in T.vectorized(d_v):
-                                acc[i * d_v + x] = acc[i * d_v + x] * T.exp2(st[i * 3] - st[i * 3 + 2])
-                            st[i * 3] = st[i * 3 + 2]
-                        for jj in T.vectorized(TILE):
-                            sc[i * TILE + jj] = T.Select(t * TILE + jj < nk[i], _exp2(sc[i * TILE + jj] - st[i * 3]),
-                                                         T.float32(0))
-                        for jj in range(TILE):
-                            st[i * 3 + 1] = st[i * 3 + 1] + sc[i * TILE + jj]
-                    for jj in range(TILE):
-                        if t * TILE + jj < n_keys:
-                            for c in T.unroll(d_v // LANES):
-                                for i in T.unroll(rows):
-                                    acc[T.Ramp(i * d_v + c * LANES, 1, LANES)] = acc[T.Ramp(i * d_v + c * LANES, 1, LANES)] + T.Broadcast(
-                                        sc[i * TILE + jj], LANES) * T.Cast(f"float32x{LANES}", v[kv0 + t * TILE + jj, h // group, T.Ramp(c * LANES, 1, LANES)])
-                for i in T.unroll(rows):
-                    if first + i < q_n:
-                        for x in T.vectorized(d_v):
-                            output[q_indptr[b] + first + i, h, x] = T.Cast(dtype, acc[i * d_v + x] / st[i * 3 + 1])
-                        lse[q_indptr[b] + first + i, h] = st[i * 3] + T.log2(st[i * 3 + 1])
+                h: T.let[T.int32] = task // blocks   # head-major: each thread's contiguous share of tasks
+                _row_block(q, q_indptr[b], q_n, task % blocks * rows, h, kv_indptr[b + 1] - kv_indptr[b], causal,
+                           sm_scale, output, lse, functools.partial(_ragged_kv, k, v, kv_indptr[b], h // group),
+                           acc, qv, sc, part, pv, st, nk, rows, d_qk, d_v, dtype)
 
     return batch_prefill_ragged_kv
 
@@ -288,11 +308,12 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
     return batch_decode_paged_kv
 
 
-def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16, rows: int = PREFILL_ROWS):
     """Each sequence's new tokens over the tokens already in its pages (no sliding window; causal aligns the
     last query with the last key). Signature of TVM's `tir_attention_prefill_cpu`. TVM's kernel walks the
     whole page pool (max_num_pages x page_size rows) for every query and head and rescales its output
-    with an out-of-bounds read of a 1-element buffer; this one reads the sequence's keys only."""
+    with an out-of-bounds read of a 1-element buffer; this one reads the sequence's keys only, `rows` query
+    rows of a head per task as in the ragged kernel (`_row_block`)."""
     group = h_q // h_kv
 
     @T.prim_func
@@ -325,26 +346,23 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
         assert rotary_mode == 0, "this attention kernel needs RoPE applied before it (RopeMode.NORMAL)"
         for b in range(batch_size):
-            for task in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
-                acc = T.decl_buffer((d,), "float32")
-                qv = T.decl_buffer((d,), "float32")
-                sc = T.decl_buffer((TILE,), "float32")
-                part = T.decl_buffer((TILE * LANES,), "float32")
-                st = T.decl_buffer((3,), "float32")
+            for task in T.parallel((q_indptr[b + 1] - q_indptr[b] + rows - 1) // rows * h_q):
+                acc = T.decl_buffer((rows * d,), "float32")
+                qv = T.decl_buffer((rows * d,), "float32")
+                sc = T.decl_buffer((rows * TILE,), "float32")
+                part = T.decl_buffer((rows * TILE * LANES,), "float32")
+                pv = T.decl_buffer((rows,), f"float32x{LANES}", scope="local")
+                st = T.decl_buffer((rows * 3,), "float32")
+                nk = T.decl_buffer((rows,), "int32")
                 q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                first: T.let[T.int32] = page_indptr[b]
-                n_pages: T.let[T.int32] = page_indptr[b + 1] - first
+                page0: T.let[T.int32] = page_indptr[b]
+                n_pages: T.let[T.int32] = page_indptr[b + 1] - page0
                 kv_n: T.let[T.int32] = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
-                qi: T.let[T.int32] = task % q_n     # head-major, as in the ragged kernel
-                h: T.let[T.int32] = task // q_n
-                row: T.let[T.int32] = q_indptr[b] + qi
-                n_keys: T.let[T.int32] = T.max(T.if_then_else(causal > 0, T.min(kv_n - q_n + qi + 1, kv_n), kv_n), 0)
-                for i in T.vectorized(d):
-                    qv[i] = T.Cast("float32", q[row, h, i]) * (sm_scale * LOG2E)
-                _paged_keys(acc, qv, sc, part, st, pages, page_values, first, n_keys, h // group, page_size, d)
-                for i in T.vectorized(d):
-                    output[row, h, i] = T.Cast(dtype, acc[i] / st[1])
-                lse[row, h] = st[0] + T.log2(st[1])
+                blocks: T.let[T.int32] = (q_n + rows - 1) // rows
+                h: T.let[T.int32] = task // blocks   # head-major, as in the ragged kernel
+                _row_block(q, q_indptr[b], q_n, task % blocks * rows, h, kv_n, causal, sm_scale, output, lse,
+                           functools.partial(_paged_kv, pages, page_values, page0, page_size, h // group),
+                           acc, qv, sc, part, pv, st, nk, rows, d, d, dtype)
 
     return batch_prefill_paged_kv_cpu
 
