@@ -146,13 +146,19 @@ def _paged_kv(pages: T.Buffer, page_values: T.Buffer, first, page_size: int, hea
 
 @T.macro
 def _row_block(q: T.Buffer, q0: T.int32, q_n: T.int32, first: T.int32, h: T.int32, kv_n: T.int32, causal: T.int32,
-               sm_scale: T.float32, output: T.Buffer, lse: T.Buffer, kv, acc: T.Buffer, qv: T.Buffer, sc: T.Buffer,
-               part: T.Buffer, pv: T.Buffer, st: T.Buffer, nk: T.Buffer, rows: int, d_qk: int, d_v: int, dtype: str):
+               sm_scale: T.float32, output: T.Buffer, lse: T.Buffer, kv, rows: int, d_qk: int, d_v: int, dtype: str):
     """Rows first .. first + rows - 1 of a sequence's q_n queries (from q[q0]), head h, over its kv_n keys
     (`kv(which, key, c)`: vector c of a key's K or V row): each key's K and V vectors loaded once for all the
     rows; the rows' running outputs (acc) only ever at constant offsets, so they stay in registers; per row its
     own causal length masks the tile and keeps its own online softmax. Rows past q_n repeat the last row and
     are not written."""
+    acc = T.decl_buffer((rows * d_v,), "float32")
+    qv = T.decl_buffer((rows * d_qk,), "float32")
+    sc = T.decl_buffer((rows * TILE,), "float32")
+    part = T.decl_buffer((rows * TILE * LANES,), "float32")
+    pv = T.decl_buffer((rows,), f"float32x{LANES}", scope="local")
+    st = T.decl_buffer((rows * 3,), "float32")   # per row: running max, running sum, tile max
+    nk = T.decl_buffer((rows,), "int32")
     for i in T.unroll(rows):
         qi: T.let[T.int32] = T.min(first + i, q_n - 1)
         nk[i] = T.max(T.if_then_else(causal > 0, T.min(kv_n - q_n + qi + 1, kv_n), kv_n), 0)
@@ -240,19 +246,12 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, rows: i
         assert rotary_mode == 0, "this attention kernel needs RoPE applied before it (RopeMode.NORMAL)"
         for b in range(batch_size):
             for task in T.parallel((q_indptr[b + 1] - q_indptr[b] + rows - 1) // rows * h_q):
-                acc = T.decl_buffer((rows * d_v,), "float32")
-                qv = T.decl_buffer((rows * d_qk,), "float32")
-                sc = T.decl_buffer((rows * TILE,), "float32")
-                part = T.decl_buffer((rows * TILE * LANES,), "float32")
-                pv = T.decl_buffer((rows,), f"float32x{LANES}", scope="local")
-                st = T.decl_buffer((rows * 3,), "float32")   # per row: running max, running sum, tile max
-                nk = T.decl_buffer((rows,), "int32")
                 q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                 blocks: T.let[T.int32] = (q_n + rows - 1) // rows
                 h: T.let[T.int32] = task // blocks   # head-major: each thread's contiguous share of tasks
                 _row_block(q, q_indptr[b], q_n, task % blocks * rows, h, kv_indptr[b + 1] - kv_indptr[b], causal,
                            sm_scale, output, lse, functools.partial(_ragged_kv, k, v, kv_indptr[b], h // group),
-                           acc, qv, sc, part, pv, st, nk, rows, d_qk, d_v, dtype)
+                           rows, d_qk, d_v, dtype)
 
     return batch_prefill_ragged_kv
 
@@ -347,13 +346,6 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16, 
         assert rotary_mode == 0, "this attention kernel needs RoPE applied before it (RopeMode.NORMAL)"
         for b in range(batch_size):
             for task in T.parallel((q_indptr[b + 1] - q_indptr[b] + rows - 1) // rows * h_q):
-                acc = T.decl_buffer((rows * d,), "float32")
-                qv = T.decl_buffer((rows * d,), "float32")
-                sc = T.decl_buffer((rows * TILE,), "float32")
-                part = T.decl_buffer((rows * TILE * LANES,), "float32")
-                pv = T.decl_buffer((rows,), f"float32x{LANES}", scope="local")
-                st = T.decl_buffer((rows * 3,), "float32")
-                nk = T.decl_buffer((rows,), "int32")
                 q_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                 page0: T.let[T.int32] = page_indptr[b]
                 n_pages: T.let[T.int32] = page_indptr[b + 1] - page0
@@ -362,7 +354,7 @@ def paged_prefill(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16, 
                 h: T.let[T.int32] = task // blocks   # head-major, as in the ragged kernel
                 _row_block(q, q_indptr[b], q_n, task % blocks * rows, h, kv_n, causal, sm_scale, output, lse,
                            functools.partial(_paged_kv, pages, page_values, page0, page_size, h // group),
-                           acc, qv, sc, part, pv, st, nk, rows, d, d, dtype)
+                           rows, d, d, dtype)
 
     return batch_prefill_paged_kv_cpu
 
