@@ -17,7 +17,8 @@ down_proj, in_proj, out_proj, lm_head, embed_tokens) stored in format f contribu
   layer's output, not of its weights. Without calibration, or for a role with no measured input (an untied
   embedding: a gather), it is the weight-space mean((w - deq(w))^2) / mean(w^2) of round-to-nearest
   (quantize.py). With no checkpoint: the value for Gaussian weights (q4 ~ 7.1e-3, q8 ~ 2.9e-5, measured
-  once with numpy and fixed below; t3 = the MSE-optimal ternary per group of 128, never calibrated).
+  once with numpy and fixed below; t3 / b1 = the MSE-optimal ternary / binary per group of 128, never
+  calibrated).
 * W_r: GQA-aware parameter weight. Each k/v row of a full-attention layer serves num_heads / num_kv_heads
   query heads (6 in qwen27b), so its error counts that many times; in Gated-DeltaNet, each q/k row of the
   fused input projection serves value_heads / key_heads heads (3). Every other row counts once.
@@ -35,14 +36,16 @@ stream per role), and the cost of role r in format f becomes the predicted KL
 add, to first order). GQA sharing is then inside the measurement (a shared k/v row's error reaches all
 the heads that read it). Bigger models keep the GQA-weighted eps above (the pass costs roles + 1 forwards).
 
-Search: start with q4 everywhere. If that does not fit, downgrade roles to ternary t3 (post-training,
-1.725 bits/weight — the only format below q4) one at a time: a single downgrade that makes the plan fit, the
-cheapest such, else the one adding the least cost per byte saved; refuse if even t3 everywhere does not fit
-(or the scheme's `auto_min_format` is q4). Then repeatedly apply the upgrade (t3 -> q4 -> q8 -> float) with
-the largest error reduction per added byte that still fits, until none does. Greedy on a per-role basis: 8
-roles, a handful of steps. Ternarising an ordinary model is very lossy (SmolLM2 ternary_ptq: perplexity in
-the millions), so a plan with ternary roles carries a warning: it fits, it is not a usable model unless the
-checkpoint is natively ternary.
+Search: start with q4 everywhere. If that does not fit, move roles down the ladder below q4 — ternary t3
+(post-training, 1.725 bits/weight), then binary b1 (1.125) — one rung at a time: a single downgrade that
+makes the plan fit, the cheapest such, else the one adding the least cost per byte saved; refuse if even the
+scheme's `auto_min_format` (b1 by default; t3 or q4 to stop higher) everywhere does not fit. Then
+repeatedly apply the upgrade (b1 -> t3 -> q4 -> q8 -> float) with the largest error reduction per added
+byte that still fits, until none does. Greedy on a per-role basis: 8 roles, a handful of steps. Ternarising
+or binarising an ordinary model is very lossy (SmolLM2 ternary_ptq: perplexity in the millions), so a plan
+with such roles carries a warning: it fits, it is not a usable model unless the checkpoint is natively
+ternary / binary. qwen27b on a 12 GB iPhone at 8K is the case b1 exists for: t3 everywhere needs 6.55 GB of
+the ~6 GB an iOS app gets.
 """
 
 from __future__ import annotations
@@ -52,10 +55,11 @@ from typing import Any
 from .errors import ConfigError
 from .memory_plan import ROLE_GROUPS, _dims, _tensors, _text_config, memory_plan, modes_for_scheme
 
-LADDER = ("t3", "q4", "q8", "float")
+LADDER = ("b1", "t3", "q4", "q8", "float")
+BELOW_Q4 = ("b1", "t3")           # post-training sign formats: the plan warns when it uses them
 SENSITIVITY_MAX_PARAMS = 1.0e9   # the end-to-end sensitivity pass (roles + 1 forwards) for models up to this size
-GAUSSIAN_EPS = {"t3": 0.187, "q4": 7.1e-3, "q8": 2.9e-5, "float": 0.0}
-BITS = {"t3": 1.725, "q4": 4.5, "q8": 8.5, "float": 16.0}
+GAUSSIAN_EPS = {"b1": 0.361, "t3": 0.187, "q4": 7.1e-3, "q8": 2.9e-5, "float": 0.0}
+BITS = {"b1": 1.125, "t3": 1.725, "q4": 4.5, "q8": 8.5, "float": 16.0}
 _HF_KEYS = {
     "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "o_proj": ("self_attn.o_proj.weight",),
@@ -103,7 +107,7 @@ def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, c
     names = ckpt.names()
     for role in roles:
         tensors = [n for n in names if n.endswith(_HF_KEYS.get(role, ())) and len(ckpt.shape(n)) == 2][:4]
-        err = {"t3": 0.0, "q4": 0.0, "q8": 0.0, "rtn_q4": 0.0}
+        err = {"b1": 0.0, "t3": 0.0, "q4": 0.0, "q8": 0.0, "rtn_q4": 0.0}
         total = 0.0
         kinds = set()
         for name in tensors:
@@ -121,7 +125,9 @@ def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, c
                     err["q4"] += q4
                     err["rtn_q4"] += q4
                     err["q8"] += float(((dequantize_q8(*quantize_q8(w)) - w) ** 2).sum())
-                    err["t3"] += float(((dequantize_ternary(*quantize_ternary(w, "t3"), "t3", k) - w) ** 2).sum())
+                    for sign in BELOW_Q4:
+                        deq = dequantize_ternary(*quantize_ternary(w, sign), sign, k)
+                        err[sign] += float(((deq - w) ** 2).sum())
                 else:
                     e, t = _output_errors(w, layer)
                     total += t
@@ -156,7 +162,7 @@ def _calibrated_input(calibration: Any, hf_name: str, tied: bool) -> Any:
 
 
 def _output_errors(w: Any, layer: Any) -> tuple[dict[str, float], float]:
-    """tr(D H D^T) for q4 and q8 (error feedback, as the build stores them), t3 and rounded q4 (no
+    """tr(D H D^T) for q4 and q8 (error feedback, as the build stores them), t3, b1 and rounded q4 (no
     feedback, as the build stores them) and tr(W H W^T)."""
     import numpy as np
 
@@ -170,15 +176,16 @@ def _output_errors(w: Any, layer: Any) -> tuple[dict[str, float], float]:
         levels, s = quantize_rows(w, prep, fmt)
         errs[fmt] = output_error(w, levels * np.repeat(s.astype(np.float32), 32, axis=1), h)
     errs["rtn_q4"] = output_error(w, dequantize_q4(*quantize_q4(w)), h)
-    errs["t3"] = output_error(w, dequantize_ternary(*quantize_ternary(w, "t3"), "t3", w.shape[1]), h)
+    for sign in BELOW_Q4:
+        errs[sign] = output_error(w, dequantize_ternary(*quantize_ternary(w, sign), sign, w.shape[1]), h)
     return errs, output_error(w, np.zeros_like(w), h)
 
 
 def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str = "float16",
               prefill_chunk: int = 512, ckpt: Any = None, model_name: str = "model",
-              calibration: Any = None, min_format: str = "t3") -> dict:
-    """The chosen formats and the memory plan they give; ConfigError when nothing from `min_format` (t3 or
-    q4) up fits. `calibration` (calibrate.Calibration of `ckpt`): eps as calibrated output error (module
+              calibration: Any = None, min_format: str = "b1") -> dict:
+    """The chosen formats and the memory plan they give; ConfigError when nothing from `min_format` (b1, t3
+    or q4) up fits. `calibration` (calibrate.Calibration of `ckpt`): eps as calibrated output error (module
     docstring)."""
     if not phone or not phone.get("app_budget_gb"):
         raise ConfigError("QUANT=auto needs the phone's app memory budget", path=None,
@@ -222,16 +229,18 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     if total > budget:
         smallest, small_plan = evaluate({r: min_format for r in roles})
         if smallest > budget:
-            everywhere = "q4 everywhere" if min_format == "q4" else "ternary t3 everywhere (1.725 bits/weight)"
+            everywhere = {"q4": "q4 everywhere", "t3": "ternary t3 everywhere (1.725 bits/weight)",
+                          "b1": "binary b1 everywhere (1.125 bits/weight)"}[min_format]
             without_kv = smallest - small_plan["contexts"][0]["kv_bytes"]
             raise ConfigError(
                 f"{model_name} does not fit {phone.get('name', 'the phone')}: the smallest plan, {everywhere}, "
                 f"needs {smallest / 1e9:.2f} GB at {context} tokens of context ({without_kv / 1e9:.2f} GB without "
                 f"the KV cache; q4 everywhere {total / 1e9:.2f} GB), the app budget is {budget / 1e9:.3g} GB",
-                path=None, fix=("choose a phone with more memory (--phone): no context length fits"
-                                if without_kv > budget else "choose a phone with more memory (--phone) or a "
-                                "shorter context" + (", or auto_min_format: t3" if min_format == "q4" else "")))
-        total, plan = _downgrade_until_fits(formats, roles, cost, budget, evaluate, steps, (total, plan))
+                path=None, fix=("choose a phone with more memory (--phone)"
+                                + (": no context length fits" if without_kv > budget else " or a shorter context")
+                                + (", or allow lower formats (auto_min_format: b1)" if min_format != "b1" else "")))
+        total, plan = _downgrade_until_fits(formats, roles, cost, budget, evaluate, steps, (total, plan),
+                                            floor=LADDER.index(min_format))
     while True:
         best = None
         for r in roles:
@@ -255,37 +264,41 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
             "formats": formats, "steps": steps, "eps_source": source, "eps_measured_as": how,
             "eps": {r: eps[r] for r in roles}, "role_weights": weights,
             "error_model": "predicted-kl" if kl is not None else "weighted-eps",
-            "ternary_roles": sorted(r for r, f in formats.items() if f == "t3"),
+            "ternary_roles": sorted(r for r, f in formats.items() if f in BELOW_Q4),
             "role_kl_q4_rtn": kl, "cost": cost,
             "weighted_error": error, "weighted_error_all_q4": q4_error,
             "weights_bytes": plan["weights_total"]["bytes"], "plan": plan}
 
 
 def _downgrade_until_fits(formats: dict[str, str], roles: list[str], cost: dict, budget: float, evaluate: Any,
-                          steps: list[dict], current: tuple[int, dict]) -> tuple[int, dict]:
-    """q4 roles -> t3 (in `formats`, recorded in `steps`) until the plan fits: the cheapest single downgrade
-    that fits, else the least added cost per byte saved. `current`: evaluate(formats), already computed. The
-    caller checked that t3 everywhere fits."""
+                          steps: list[dict], current: tuple[int, dict], floor: int = 0) -> tuple[int, dict]:
+    """Roles one rung down the ladder from q4 (q4 -> t3 -> b1, never below LADDER[floor]; in `formats`,
+    recorded in `steps`) until the plan fits: the cheapest single downgrade that fits, else the least added
+    cost per byte saved. `current`: evaluate(formats), already computed. The caller checked that
+    LADDER[floor] everywhere fits."""
     total, plan = current
+    top = LADDER.index("q4")
     while total > budget:
         options = []
         for r in roles:
-            if formats[r] != "q4":
+            i = LADDER.index(formats[r])
+            if not floor < i <= top:
                 continue
-            t_total, t_plan = evaluate({**formats, r: "t3"})
+            lower = LADDER[i - 1]
+            t_total, t_plan = evaluate({**formats, r: lower})
             if t_total < total:
-                options.append((cost[r]["t3"] - cost[r]["q4"], total - t_total, r, t_total, t_plan))
+                options.append((cost[r][lower] - cost[r][formats[r]], total - t_total, r, t_total, t_plan, lower))
         fitting = [o for o in options if o[3] <= budget]
-        _, _, r, total, plan = (min(fitting, key=lambda o: o[0]) if fitting else
-                                min(options, key=lambda o: o[0] / o[1]))
-        formats[r] = "t3"
-        steps.append({"role": r, "format": "t3", "total_bytes": total})
+        _, _, r, total, plan, lower = (min(fitting, key=lambda o: o[0]) if fitting else
+                                       min(options, key=lambda o: o[0] / o[1]))
+        formats[r] = lower
+        steps.append({"role": r, "format": lower, "total_bytes": total})
     return total, plan
 
 
-TERNARY_WARNING = ("post-training ternary (t3) for {roles}: the plan fits, but ternarising an ordinary model "
-                   "destroys it (SmolLM2-135M ternary_ptq: perplexity ~1e7) — usable only with a natively "
-                   "ternary checkpoint, a bigger phone or a shorter context")
+TERNARY_WARNING = ("post-training ternary (t3) / binary (b1) for {roles}: the plan fits, but ternarising or "
+                   "binarising an ordinary model destroys it (SmolLM2-135M ternary_ptq: perplexity ~1e7) — "
+                   "usable only with a natively ternary / binary checkpoint, a bigger phone or a shorter context")
 
 
 def auto_markdown(result: dict) -> str:
@@ -305,7 +318,8 @@ def auto_markdown(result: dict) -> str:
         lines.append(f"| {r} | {fmt} | {BITS[fmt]} | {result['role_weights'][r] / 1e6:,.1f} M | "
                      f"{result['eps'][r][fmt]:.2e} | {kl} |")
     if result.get("ternary_roles"):
-        lines += ["", "**Warning:** " + TERNARY_WARNING.format(roles=", ".join(result["ternary_roles"])) + "."]
+        lines += ["", "**Warning:** " + TERNARY_WARNING.format(
+            roles=", ".join(f"{r} ({result['formats'][r]})" for r in result["ternary_roles"])) + "."]
     lines += ["", f"Weights {result['weights_bytes'] / 1e9:.2f} GB; KV cache {ctx['kv_bytes'] / 1e9:.2f} GB; "
               f"total {result['total_bytes'] / 1e9:.2f} GB of {result['budget_bytes'] / 1e9:.1f} GB; "
               f"predicted decode {ctx['predicted_decode_tok_s']:.2f} tok/s "

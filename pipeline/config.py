@@ -89,15 +89,15 @@ def _host_cpu() -> str | None:
     return str(name()) if name else None   # None: a generic CPU of this architecture still works
 
 
-WEIGHT_FORMATS = ("float", "q4", "q8", "t2", "t3")
-TERNARY_FORMATS = ("t2", "t3")
+WEIGHT_FORMATS = ("float", "q4", "q8", "t2", "t3", "b1")
+TERNARY_FORMATS = ("t2", "t3", "b1")    # packed sign formats (pipeline/ternary.py): ternary t2 / t3, binary b1
 TERNARY_SOURCES = ("native", "ptq")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     name: str
-    weight_format: str            # float | q4 | q8 | t2 | t3
+    weight_format: str            # float | q4 | q8 | t2 | t3 | b1
     weight_dtype: str = "float16"
     layout: str = "target"        # NK | KN | target
     path: Path | None = None
@@ -105,7 +105,8 @@ class QuantSpec:
     # embed_tokens): format (float | q4 | q8)}; roles not listed get weight_format
     formats: dict[str, str] = field(default_factory=dict)
     auto_context: int | None = None   # QUANT=auto: choose `formats` to fit the phone at this context
-    auto_min_format: str = "t3"       # QUANT=auto: the lowest format a role may get (t3: PTQ ternary; or q4)
+    # QUANT=auto: the lowest format a role may get (b1: PTQ binary, t3: PTQ ternary, or q4)
+    auto_min_format: str = "b1"
     # ternary (t2 / t3) weights: `native` imports a natively ternary checkpoint exactly and refuses any
     # other tensor; `ptq` ternarises an ordinary model (MSE-optimal per group; loses quality)
     ternary_source: str = "native"
@@ -124,9 +125,10 @@ class QuantSpec:
         if bad:
             raise ConfigError(f"unknown weight format(s) {bad}", path=self.path,
                               fix=f"use one of {', '.join(WEIGHT_FORMATS)}")
-        if self.auto_min_format not in ("t3", "q4"):
-            raise ConfigError(f"auto_min_format {self.auto_min_format!r} is not t3 or q4", path=self.path,
-                              fix="set auto_min_format: t3 (allow post-training ternary roles) or q4")
+        if self.auto_min_format not in ("b1", "t3", "q4"):
+            raise ConfigError(f"auto_min_format {self.auto_min_format!r} is not b1, t3 or q4", path=self.path,
+                              fix="set auto_min_format: b1 (allow post-training binary and ternary roles), t3 "
+                                  "(ternary only) or q4")
         if self.ternary_source not in TERNARY_SOURCES:
             raise ConfigError(f"unknown ternary_source {self.ternary_source!r}", path=self.path,
                               fix=f"use one of {', '.join(TERNARY_SOURCES)}")

@@ -217,7 +217,8 @@ def _source_dtype(ckpt: Any, names: list[str]) -> str:
     return next((d for d in _TOLERANCE_ORDER if d in kinds), "float32")
 
 
-def _not_ternary(ckpt: Any, name: str, names: list[str], row: int, group: int, block: np.ndarray) -> WeightsError:
+def _not_ternary(ckpt: Any, name: str, names: list[str], row: int, group: int, block: np.ndarray,
+                 fmt: str = "t2") -> WeightsError:
     """Which source tensor and group failed, and what it holds."""
     for src in names:
         rows = int(ckpt.shape(src)[0])
@@ -226,6 +227,13 @@ def _not_ternary(ckpt: Any, name: str, names: list[str], row: int, group: int, b
         row -= rows
     vals = np.abs(block[:, group * tern.GROUP:(group + 1) * tern.GROUP])
     distinct = len(np.unique(vals[vals > 0]))
+    if fmt in tern.BINARY:
+        zeros = int((vals == 0).sum())
+        return WeightsError(
+            f"{src} (for {name}) is not binary: group {group} of row {row} holds {distinct} distinct nonzero "
+            f"magnitudes and {zeros} zeros, not one magnitude", path=ckpt.path,
+            fix="use --quant binary_ptq to binarise an ordinary model (destroys its quality), ternary for a "
+                "natively ternary one, or a natively binary checkpoint")
     return WeightsError(
         f"{src} (for {name}) is not ternary: group {group} of row {row} holds {distinct} distinct nonzero "
         f"magnitudes, not one", path=ckpt.path,
@@ -256,11 +264,11 @@ def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes
     dtype = _source_dtype(ckpt, names)
     for r0, block in _row_blocks(ckpt, names, block_bytes, int(attrs.get("rotate", 1))):
         if native:
-            ok = tern.ternary_groups(block, dtype)
+            ok = tern.native_groups(block, fmt, dtype)
             if not ok.all():
                 r, g = (int(i[0]) for i in np.nonzero(~ok))
-                raise _not_ternary(ckpt, name, names, r0 + r, g, block[r:r + 1])
-        trits, s64 = tern.ternarize_exact(block)
+                raise _not_ternary(ckpt, name, names, r0 + r, g, block[r:r + 1], fmt)
+        trits, s64 = tern.round_groups(block, fmt)
         s = s64.astype(np.float16)
         if stats is not None:
             _ternary_stats(stats, block, trits, s, s64, native)

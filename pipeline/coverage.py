@@ -40,8 +40,9 @@ MATMUL_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "deq
 _GDN_CLASSES = (("gdn_prefill", "gdn-recurrence"), ("gdn_decode", "gdn-recurrence"), ("gdn_conv1d", "gdn-conv"),
                 ("conv_state", "gdn-conv"), ("gdn_gates", "gdn-conv"), ("rnn_state", "rnn-state"))
 
-# fused dequantize functions of the ternary packings (layers.dequantize_ternary_te): t2 codes are uint32 like q4
-_TERNARY_NAMES = ("dequantize_t2", "dequantize_t3")
+# fused dequantize functions of the sign packings (layers.dequantize_ternary_te: ternary t2 / t3, binary b1),
+# one "-ternary" op class: their codes are uint32 like q4
+_TERNARY_NAMES = ("dequantize_t2", "dequantize_t3", "dequantize_b1")
 _ATTENTION_NAMES = ("batch_prefill_paged_kv", "batch_decode_paged_kv", "batch_prefill_ragged_kv", "tree_attn",
                     "attention", "merge_state")
 _KV_NAMES = ("kv_cache", "copy_single_page", "compact_kv", "transpose_append", "get_kv", "rollback")

@@ -12,7 +12,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, is_tuple, wildcard
 
 # dequantize functions of every packed weight format (layers.py): q4 / q8 groups, t2 / t3 ternary
-DEQUANTIZE_PREFIXES = ("dequantize_q4", "dequantize_q8", "dequantize_t2", "dequantize_t3")
+DEQUANTIZE_PREFIXES = ("dequantize_q4", "dequantize_q8", "dequantize_t2", "dequantize_t3", "dequantize_b1")
 # a dtype cast feeding a matmul: fp16 weights computed in fp32 (q0f16 on a CPU target) — fused, the matmul
 # reads the fp16 weight and widens it in registers instead of a separate kernel writing an fp32 copy
 CAST_PREFIX = "cast"

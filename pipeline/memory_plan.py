@@ -74,8 +74,8 @@ from . import ternary
 __all__ = ["memory_plan", "plan_markdown", "QUANT_MODES", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-QUANT_MODES = ("q0f32", "q0f16", "q4f16", "q8f16", "t2f16", "t3f16")
-TERNARY_MODES = {"t2f16": "t2", "t3f16": "t3"}
+QUANT_MODES = ("q0f32", "q0f16", "q4f16", "q8f16", "t2f16", "t3f16", "b1f16")
+TERNARY_MODES = {"t2f16": "t2", "t3f16": "t3", "b1f16": "b1"}
 # A scheme's per-tensor rules name layer roles; these are the plan's tensor groups each role covers.
 ROLE_GROUPS = {
     "embed_tokens": ("embedding",), "lm_head": ("lm_head",), "qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -117,7 +117,8 @@ def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
         return n * 2, "float16"
     if quant in TERNARY_MODES and len(shape) == 2:
         fmt = TERNARY_MODES[quant]
-        return shape[0] * ternary.row_bytes(fmt, shape[1]), f"ternary {fmt} g128 + fp16 scale"
+        kind = "binary" if fmt in ternary.BINARY else "ternary"
+        return shape[0] * ternary.row_bytes(fmt, shape[1]), f"{kind} {fmt} g128 + fp16 scale"
     if len(shape) == 2 and shape[-1] % Q4_GROUP == 0:
         if quant == "q8f16":   # int8 codes + one fp16 scale per group of 32
             return n + (n // Q4_GROUP) * 2, "q8 g32 + fp16 scale"
@@ -225,7 +226,7 @@ def _dims(cfg: dict) -> _Dims:
 def modes_for_scheme(weight_format: str, weight_dtype: str, formats: dict[str, str]) -> tuple[str, dict[str, str]]:
     """(default mode, {plan group: mode}) of a quantization scheme with per-role formats."""
     def mode(fmt: str) -> str:
-        return {"q4": "q4f16", "q8": "q8f16", "t2": "t2f16", "t3": "t3f16"}.get(
+        return {"q4": "q4f16", "q8": "q8f16", "t2": "t2f16", "t3": "t3f16", "b1": "b1f16"}.get(
             fmt, "q0f32" if weight_dtype == "float32" else "q0f16")
 
     groups = {g: mode(fmt) for role, fmt in formats.items() for g in ROLE_GROUPS.get(role, ())}

@@ -149,7 +149,11 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
                    "code": source_hash(), **({"calibration": calib.identity()} if calib else {})})
     out = cache_root() / "weights" / key
     ptq = quant.ternary and quant.ternary_source == "ptq"
-    if ptq:
+    if ptq and _sign_kind(quant) == "binary":
+        report.info(f"[yellow]warning:[/] {quant.name}: post-training binarisation of an ordinary model destroys "
+                    "its quality (worse than ternarisation); for real use import a natively binary checkpoint "
+                    "(--quant binary)")
+    elif ptq:
         report.info(f"[yellow]warning:[/] {quant.name}: post-training ternarisation of an ordinary model loses "
                     "quality (Llama-3-8B at 1.88 bpw: perplexity 6.77 -> 69.6); for real use import a natively "
                     "ternary checkpoint (--quant ternary)")
@@ -185,17 +189,23 @@ def _calibration(loaded: Loaded, spec: Any, report: Reporter, given: Any = None)
         yield calibration   # measured on first use: not at all when every tensor is in the store
 
 
+def _sign_kind(quant: QuantSpec) -> str:
+    """"binary" when the scheme stores any role in b1, else "ternary" (for messages)."""
+    return "binary" if "b1" in (quant.weight_format, *quant.formats.values()) else "ternary"
+
+
 def _report_ternary(quant: QuantSpec, stats: dict[str, float], report: Reporter) -> None:
-    """The measured weight-space loss of ternarisation (PTQ), or how exact a native import was."""
+    """The measured weight-space loss of ternarisation / binarisation (PTQ), or how exact a native import was."""
     if not stats.get("groups"):
         return
     rel = (stats["err2"] / stats["norm2"]) ** 0.5 if stats["norm2"] else 0.0
+    kind = _sign_kind(quant)
     if quant.ternary_source == "ptq":
-        report.info(f"[yellow]warning:[/] {quant.name}: ternary weights differ from the checkpoint's by "
+        report.info(f"[yellow]warning:[/] {quant.name}: {kind} weights differ from the checkpoint's by "
                     f"||W - T||/||W|| = {rel:.3f} over {int(stats['groups'])} groups of 128")
     else:
         rounded = int(stats.get("scale_rounded", 0))
-        report.info(f"quantize: imported {int(stats['groups'])} ternary groups; relative error {rel:.2g}"
+        report.info(f"quantize: imported {int(stats['groups'])} {kind} groups; relative error {rel:.2g}"
                     + (f"; {rounded} scales are not fp16 numbers and were rounded to fp16" if rounded else
                        "; every scale kept exactly"))
 

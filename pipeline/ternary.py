@@ -1,7 +1,8 @@
-"""Ternary (1.58-bit) weights in numpy: ternarisation, detection of natively ternary tensors, packing.
+"""Ternary (1.58-bit) and binary (1-bit) weights in numpy: rounding, detection of native checkpoints, packing.
 
-Values are {-s, 0, +s} with one fp16 scale s per group of 128 weights along the reduction axis K (the
-grouping PrismML's Bonsai models ship). A weight's trit t in {-1, 0, +1} is stored as the code t + 1.
+Values are {-s, 0, +s} (ternary) or {-s, +s} (binary) with one fp16 scale s per group of 128 weights along
+the reduction axis K (the grouping PrismML's Bonsai models ship). A weight's trit t in {-1, 0, +1} is
+stored as the code t + 1; a binary weight's sign as one bit (1: +s, 0: -s).
 
 Packings (NK = [N, ...] rows of codes, KN their transpose, like q4):
 - `t2`: 16 two-bit codes per little-endian uint32, code of k at bits 2 * (k % 16): [N, ceil(K/16)] uint32.
@@ -14,13 +15,18 @@ Packings (NK = [N, ...] rows of codes, KN their transpose, like q4):
   rule schedules — and 32-bit loads avoid TVM's broken OpenCL codegen for gathered uchar vectors.
   32 * ceil(K/20) / K + 16/128 bits/weight: 1.725 when 20 and 128 divide K (qwen27b's 5120), 1.726 for
   K = 17408 (the padding codes are counted).
+- `b1` (binary): 32 sign bits per little-endian uint32, the bit of k at bit k % 32: [N, ceil(K/32)] uint32.
+  1 + 16/128 = 1.125 bits/weight with the scales — the only format below t3, what lets a 27B fit the ~6 GB an
+  iOS app gets at 8K context (1-bit Bonsai-style checkpoints hold exactly these values).
 K need not be a multiple of 128: the last group is shorter (its padding is zero weights, never read).
 
 Ternarisation (`ternarize`) is MSE-optimal per group: keeping the m largest |w| with the scale s = their
 mean |w| leaves an error sum(w^2) - m s^2 = sum(w^2) - (sum of the top m |w|)^2 / m, so m is the argmax of
 that last ratio over m = 1..128 (exact, from one sort). On a natively ternary group the optimum keeps
 exactly its nonzeros and s is their common magnitude: import and post-training ternarisation are the same
-function, and `ternary_groups` decides whether a tensor was ternary to begin with.
+function, and `ternary_groups` decides whether a tensor was ternary to begin with. Binarisation
+(`binarize_exact`) is MSE-optimal too: with the signs fixed, the best scale is the group's mean |w|; a
+natively binary group (one magnitude, no zeros) is reproduced exactly (`binary_groups`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ GROUP = 128
 T2_PER_WORD = 16
 T3_PER_BYTE = 5
 T3_PER_WORD = 20           # four bytes of five trits
-PACKINGS = ("t2", "t3")
+B1_PER_WORD = 32
+PACKINGS = ("t2", "t3", "b1")
+BINARY = ("b1",)
 _POW3 = np.array([1, 3, 9, 27, 81], np.uint16)
 
 # Relative spacing of a float format's values (one unit in the last place at 1.0): magnitudes of one
@@ -49,6 +57,8 @@ def packed_len(fmt: str, k: int) -> int:
         return -(-k // T2_PER_WORD)
     if fmt == "t3":
         return -(-k // T3_PER_WORD)
+    if fmt == "b1":
+        return -(-k // B1_PER_WORD)
     raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
 
 
@@ -98,6 +108,39 @@ def ternarize_exact(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return trits.reshape(w.shape[0], -1), scale
 
 
+def binarize_exact(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> (signs int8 [N, G*128] in {-1, 1}, zero-padded columns +1; float64 scales [N, G]):
+    per group s = mean |w| over its real (not padded) weights, the MSE-optimal scale for the signs."""
+    n, k = w.shape
+    groups = _groups(w)
+    real = np.minimum(GROUP, k - np.arange(n_groups(k)) * GROUP).astype(np.float64)    # weights per group
+    scale = np.abs(groups).sum(axis=-1, dtype=np.float64) / real
+    signs = np.where(groups < 0, -1, 1).astype(np.int8)
+    return signs.reshape(n, -1), scale
+
+
+def round_groups(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """The packing's values of [N, K] weights: (trits or signs int8 [N, G*128], float64 scales [N, G])."""
+    return binarize_exact(w) if fmt in BINARY else ternarize_exact(w)
+
+
+def native_groups(w: np.ndarray, fmt: str, dtype: str = "float32") -> np.ndarray:
+    """bool [N, G]: whether each group already holds only values `fmt` stores exactly."""
+    return binary_groups(w, dtype) if fmt in BINARY else ternary_groups(w, dtype)
+
+
+def binary_groups(w: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """bool [N, G]: whether each group of 128 holds only {-s, +s}: one magnitude within one unit in the last
+    place of `dtype`, no zeros (an all-zero group counts: s = 0). The padding of a short last group is not
+    looked at."""
+    n, k = w.shape
+    mag = np.abs(_groups(w))
+    real = (np.arange(n_groups(k) * GROUP) < k).reshape(1, n_groups(k), GROUP)
+    hi = np.where(real, mag, 0).max(axis=-1)
+    lo = np.where(real, mag, np.inf).min(axis=-1)
+    return (hi - lo) <= ULP.get(dtype, ULP["float32"]) * hi
+
+
 def ternary_groups(w: np.ndarray, dtype: str = "float32") -> np.ndarray:
     """bool [N, G]: whether each group of 128 holds only {-s, 0, +s} (nonzero magnitudes within one unit
     in the last place of the checkpoint's `dtype` of each other)."""
@@ -121,6 +164,13 @@ def pack(trits: np.ndarray, fmt: str, k: int) -> np.ndarray:
         c = _pad_cols(codes[:, :k], width).reshape(n, -1, T3_PER_BYTE).astype(np.uint16)
         stream = np.ascontiguousarray((c * _POW3).sum(axis=-1).astype(np.uint8))
         return stream.view("<u4").astype(np.uint32, copy=False)
+    if fmt == "b1":
+        width = packed_len("b1", k) * B1_PER_WORD
+        bits = (trits[:, :k] > 0).astype(np.uint32)
+        if bits.shape[1] < width:
+            bits = np.concatenate([bits, np.ones((n, width - bits.shape[1]), np.uint32)], axis=1)
+        return np.bitwise_or.reduce(bits.reshape(n, -1, B1_PER_WORD) << np.arange(B1_PER_WORD, dtype=np.uint32),
+                                    axis=-1)
     raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
 
 
@@ -140,6 +190,9 @@ def unpack(packed: np.ndarray, fmt: str, k: int) -> np.ndarray:
     elif fmt == "t3":
         stream = np.ascontiguousarray(packed.astype("<u4")).view(np.uint8)
         codes = ((stream.astype(np.uint16)[..., None] // _POW3) % 3).reshape(n, -1)
+    elif fmt == "b1":
+        bits = (packed.astype(np.uint32)[..., None] >> np.arange(B1_PER_WORD, dtype=np.uint32)) & 1
+        codes = bits.reshape(n, -1).astype(np.int16) * 2                    # 0 -> -1, 1 -> +1 below
     else:
         raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
     return (codes[:, :k].astype(np.int16) - 1).astype(np.int8)
@@ -147,7 +200,8 @@ def unpack(packed: np.ndarray, fmt: str, k: int) -> np.ndarray:
 
 def quantize_ternary(w: np.ndarray, fmt: str = "t2", layout: str = "NK") -> tuple[np.ndarray, np.ndarray]:
     """[N, K] float -> (packed codes, fp16 scales) in `layout` (KN stores both transposed)."""
-    trits, scale = ternarize(w)
+    trits, s64 = round_groups(w, fmt)
+    scale = s64.astype(np.float16)
     packed = pack(trits, fmt, w.shape[1])
     if layout == "KN":
         return np.ascontiguousarray(packed.T), np.ascontiguousarray(scale.T)

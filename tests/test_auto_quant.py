@@ -1,9 +1,10 @@
 """QUANT=auto: per-role formats chosen to fit a phone's budget (pipeline/auto_quant.py).
 
 qwen27b (real config) at 8K context: fits a 24 GB Android phone with some roles upgraded to q8; fits a 16 GB
-Android phone only with a role ternarised (q4 everywhere is 15.9 GB), with a warning; is refused in one line
-on a 12 GB iPhone (even ternary everywhere is 6.55 GB > 6). The plan's accounting is checked against the
-sizes of the tensors a real build emits.
+Android phone only with a role ternarised (q4 everywhere is 15.9 GB), with a warning; fits a 12 GB iPhone
+only with a role binarised (even ternary everywhere is 6.55 GB > 6), with a warning, and is refused in one
+line on an 8 GB one (binary everywhere 4.53 GB > 4). The plan's accounting is checked against the sizes of
+the tensors a real build emits.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def test_qwen27b_on_a_16gb_phone_needs_a_ternary_role(qwen27b):
     assert result["ternary_roles"] and set(result["formats"].values()) <= {"t3", "q4", "q8", "float"}
     assert result["steps"][0]["format"] == "t3"
     assert result["weighted_error"] > result["weighted_error_all_q4"]
-    assert "Warning:** post-training ternary (t3) for " in auto_markdown(result)
+    assert "Warning:** post-training ternary (t3) / binary (b1) for " in auto_markdown(result)
     # the downgrades were needed: undoing any one of them breaks the budget
     from pipeline.memory_plan import memory_plan, modes_for_scheme
 
@@ -54,10 +55,38 @@ def test_qwen27b_on_a_16gb_phone_needs_a_ternary_role(qwen27b):
         plan_auto(qwen27b, phone=phone, context=8192, model_name="qwen27b", min_format="q4")
 
 
-def test_qwen27b_refused_on_a_12gb_iphone(qwen27b):
+def test_qwen27b_fits_a_12gb_iphone_only_with_a_binary_role(qwen27b):
+    """Ternary t3 everywhere is 6.55 GB of the ~6 GB an iOS app gets at 8K: the planner goes one rung lower,
+    binary b1 (1.125 bits/weight), for the role that buys the most bytes per unit of error; stopping at t3
+    (auto_min_format) refuses in one line."""
+    phone = load_phone("iphone-12gb")
+    result = plan_auto(qwen27b, phone=phone, context=8192, model_name="qwen27b")
+    assert result["total_bytes"] <= phone["app_budget_gb"] * 1e9
+    binary = sorted(r for r, f in result["formats"].items() if f == "b1")
+    assert binary and set(binary) <= set(result["ternary_roles"])
+    assert [s["format"] for s in result["steps"]].index("b1") > 0          # t3 rungs first, then b1
+    text = auto_markdown(result)
+    assert "| b1 | 1.125 |" in text and f"{binary[0]} (b1)" in text and "Warning:**" in text
+    # the plan's weights are what memory_plan counts for those formats (b1 rows: ceil(K/32) words + scales)
+    from pipeline.memory_plan import memory_plan, modes_for_scheme
+
+    mode, groups = modes_for_scheme("q4", "float16", result["formats"])
+    plan = memory_plan(qwen27b, quant=mode, group_modes=groups, compute_dtype="float16", contexts=(8192,),
+                       prefill_chunk=512, phone=phone)
+    assert plan["contexts"][0]["total_bytes"] == result["total_bytes"]
+    up = plan["weights"]["mlp_up"]
+    assert "binary b1" in up["precision"] and 8 * up["bytes"] / up["params"] == pytest.approx(1.125)
     with pytest.raises(ConfigError, match=r"qwen27b does not fit .*smallest plan, ternary t3 everywhere .*needs "
-                                          r"6\.\d\d GB at 8192 .* no context length fits"):
-        plan_auto(qwen27b, phone=load_phone("iphone-12gb"), context=8192, model_name="qwen27b")
+                                          r"6\.\d\d GB at 8192 .* no context length fits, or allow lower formats"):
+        plan_auto(qwen27b, phone=phone, context=8192, model_name="qwen27b", min_format="t3")
+
+
+def test_qwen27b_refused_on_an_8gb_iphone(qwen27b):
+    phone = {"name": "iPhone 15 Pro", "ram_gb": 8, "app_budget_gb": 4, "bandwidth_gbs": 51.2}
+    with pytest.raises(ConfigError, match=r"qwen27b does not fit iPhone 15 Pro: the smallest plan, binary b1 "
+                                          r"everywhere \(1\.125 bits/weight\), needs 4\.\d\d GB at 8192 .*"
+                                          r"or a shorter context$"):
+        plan_auto(qwen27b, phone=phone, context=8192, model_name="qwen27b")
 
 
 def test_gqa_weighting_counts_kv_rows_per_query_head(qwen27b):

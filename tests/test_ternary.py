@@ -1,10 +1,12 @@
-"""Ternary (1.58-bit) weights end to end: packing, detection, import, PTQ, rotation, compiled numerics, sizes.
+"""Ternary (1.58-bit) and binary (1-bit) weights end to end: packing, detection, import, PTQ, rotation,
+compiled numerics, sizes.
 
 Acceptance: a tiny Llama whose linear weights are made ternary g128 here (fp16-representable scales) is
 imported losslessly into the 2-bit (t2) and base-3 (t3) packings, built for host-cpu and run; its logits
 equal the unpacked ternary model's in torch within max |Δ| ≤ 2e-2 x logit scale (the q8 embedding / lm_head
 of the preset are applied to the torch model too; the rest is float32 arithmetic order), and the emitted
-tensor cache holds exactly 2.125 (t2) and 1.75 (t3) bits per ternary weight including scales.
+tensor cache holds exactly 2.125 (t2) and 1.75 (t3) bits per ternary weight including scales. The same
+for a tiny Llama made binary ({-s, +s} per group of 128) in the b1 packing: 1.125 bits per weight.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
        layout=st.sampled_from(["NK", "KN"]), seed=st.integers(0, 2**31))
 def test_pack_unpack_round_trip(n, k, fmt, layout, seed):
     rng = np.random.default_rng(seed)
-    trits = rng.integers(-1, 2, (n, k)).astype(np.int8)
+    trits = (rng.choice(np.array([-1, 1], np.int8), (n, k)) if fmt in tern.BINARY else
+             rng.integers(-1, 2, (n, k)).astype(np.int8))
     packed = tern.pack(trits, fmt, k)
     assert packed.shape == (n, tern.packed_len(fmt, k)) and packed.dtype == np.dtype(tern.code_dtype(fmt))
     np.testing.assert_array_equal(tern.unpack(packed, fmt, k), trits)
@@ -61,6 +64,33 @@ def test_formats_by_hand():
     assert stream[26] == stream[27] == 121                                # zero-weight padding to 140 codes
     assert tern.row_bytes("t2", 1024) * 8 / 1024 == 2.125 and tern.row_bytes("t3", 1280) * 8 / 1280 == 1.725
     assert tern.row_bytes("t3", 17408) * 8 / 17408 < 1.727
+    # b1: bit k % 32 of word k // 32 is 1 for +s, 0 for -s; the short last word is padded with 1s
+    signs = np.where(trits == 0, 1, trits).astype(np.int8)
+    b1 = tern.pack(signs, "b1", 130)
+    assert b1.shape == (1, 5) and b1.dtype == np.uint32
+    assert b1[0, 0] == 0xFFFFFFFF & ~(1 << 1) & ~(1 << 5) and b1[0, 4] == 0xFFFFFFFF & ~(1 << 1)
+    assert tern.row_bytes("b1", 5120) * 8 / 5120 == 1.125 and tern.row_bytes("b1", 17408) * 8 / 17408 == 1.125
+
+
+def test_binarize_is_mse_optimal_and_exact_on_binary_groups():
+    """Per group: sign(w) with s = mean |w| over the real weights (a short last group too) — for those signs
+    no other scale has a smaller error, and no sign flip helps; a {-s, +s} group comes back exactly."""
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((6, 300)) * rng.uniform(0.01, 2, (6, 1))).astype(np.float32)
+    signs, s = tern.binarize_exact(w)
+    assert set(np.unique(signs)) <= {-1, 1}
+    deq = signs[:, :300] * np.repeat(s, 128, axis=1)[:, :300]
+    for row in range(6):
+        for g0 in range(0, 300, 128):
+            seg, got = w[row, g0:g0 + 128].astype(np.float64), deq[row, g0:g0 + 128]
+            assert s[row, g0 // 128] == pytest.approx(np.abs(seg).mean(), rel=1e-12)
+            err = ((got - seg) ** 2).sum()
+            for scale in np.linspace(0.5, 1.5, 11) * s[row, g0 // 128]:
+                assert err <= ((np.sign(seg) * scale - seg) ** 2).sum() + 1e-12
+    binary = np.sign(rng.standard_normal((3, 300))).astype(np.float32) * np.float32(0.0625)
+    codes, sc = tern.quantize_ternary(binary, "b1")
+    np.testing.assert_array_equal(tern.dequantize_ternary(codes, sc, "b1", 300), binary)
+    assert tern.binary_groups(binary, "float16").all() and tern.native_groups(binary, "b1").all()
 
 
 def test_ternarize_is_mse_optimal():
@@ -82,6 +112,12 @@ def _ternary(rng, n: int, k: int, top: float = 0.2) -> np.ndarray:
     return trits * np.repeat(scale, tern.GROUP, axis=1)[:, :k]
 
 
+def _binary(rng, n: int, k: int, top: float = 0.2) -> np.ndarray:
+    signs = rng.choice(np.array([-1, 1], np.float32), (n, k))
+    scale = rng.uniform(0.01, top, (n, tern.n_groups(k))).astype(np.float16).astype(np.float32)
+    return signs * np.repeat(scale, tern.GROUP, axis=1)[:, :k]
+
+
 def test_detection():
     rng = np.random.default_rng(0)
     w = _ternary(rng, 8, 384)
@@ -96,6 +132,14 @@ def test_detection():
     assert not tern.ternary_groups(off_by_one_ulp[None], "float32").any()
     assert tern.ternary_groups(off_by_one_ulp[None], "float16").all()   # within fp16 rounding
     assert tern.ternary_groups(np.zeros((1, 128), np.float32)).all()
+    # binary: one magnitude and no zeros (a ternary group with a zero is not binary); all-zero counts
+    sign = np.sign(rng.standard_normal((2, 300))).astype(np.float32) * np.float32(0.3)
+    assert tern.binary_groups(sign).all() and tern.binary_groups(np.zeros((1, 128), np.float32)).all()
+    sign[1, 140] = 0
+    assert tern.binary_groups(sign).tolist() == [[True, True, True], [True, False, True]]
+    assert not tern.native_groups(w[:1], "b1").any()                    # ternary (with zeros): not binary
+    near = np.float32(0.1) * np.array([1, -1, 1 + 2**-20] * 43, np.float32)[None, :128]
+    assert not tern.binary_groups(near, "float32").any() and tern.binary_groups(near, "float16").all()
 
 
 def test_hadamard_is_orthogonal_and_self_inverse():
@@ -108,20 +152,21 @@ def test_hadamard_is_orthogonal_and_self_inverse():
 
 
 # -------------------------------------------------------------------------------- tiny models
-def tiny_llama(tmp_path, *, ternary: bool):
+def tiny_llama(tmp_path, *, ternary: bool, binary: bool = False):
     """A random tiny Llama (hidden 640, ffn 1280: every K a multiple of 128 and of t3's 20 codes per word, as
     in qwen27b's 5120); with `ternary`, every linear weight is {-s, 0, +s} per group of 128 with
-    fp16-representable s."""
+    fp16-representable s; with `binary`, {-s, +s}."""
     from test_model_numerics import tiny_hf_model
 
     folder, model = tiny_hf_model(tmp_path, "llama", hidden_size=640, intermediate_size=1280, num_hidden_layers=2,
                                   num_attention_heads=10, num_key_value_heads=2, head_dim=64)
-    if ternary:
+    if ternary or binary:
         rng = np.random.default_rng(7)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if any(k in name for k in LINEARS):
-                    p.copy_(torch.from_numpy(_ternary(rng, *p.shape, top=0.3)))
+                    p.copy_(torch.from_numpy(_binary(rng, *p.shape, top=0.2) if binary else
+                                             _ternary(rng, *p.shape, top=0.3)))
         model.save_pretrained(folder, safe_serialization=True)
     return folder, model
 
@@ -155,6 +200,11 @@ def ternary_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def binary_model(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("binary"), ternary=False, binary=True)
+
+
+@pytest.fixture(scope="module")
 def ordinary_model(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("ordinary"), ternary=False)
 
@@ -167,9 +217,11 @@ def _cache_bytes(bundle) -> dict[str, int]:
     return {r["name"]: r["nbytes"] for shard in index["records"] for r in shard["records"]}
 
 
-@pytest.mark.parametrize("scheme,bits", [("ternary", 2.125), ("ternary_t3", 1.725)])
-def test_ternary_import_build_run(ternary_model, build_bundle, scheme, bits):
-    folder, model = ternary_model
+@pytest.mark.parametrize("scheme,bits,source", [("ternary", 2.125, "ternary_model"),
+                                               ("ternary_t3", 1.725, "ternary_model"),
+                                               ("binary", 1.125, "binary_model")])
+def test_ternary_import_build_run(request, build_bundle, scheme, bits, source):
+    folder, model = request.getfixturevalue(source)
     bundle = Bundle(build_bundle(folder, "host-cpu", scheme))
     engine = bundle.engine()
     ours = engine.prefill(list(IDS), all_logits=True)
@@ -187,7 +239,7 @@ def test_ternary_import_build_run(ternary_model, build_bundle, scheme, bits):
     measured = 8 * tern_bytes / tern_params
     print(f"\n{scheme}: {measured:.4f} bits/weight incl. scales ({tern_bytes} B for {tern_params} weights)")
     assert measured == bits
-    assert measured <= {"ternary": 2.13, "ternary_t3": 1.75}[scheme]
+    assert measured <= {"ternary": 2.13, "ternary_t3": 1.75, "binary": 1.13}[scheme]
     coverage = json.loads((bundle.path / "reports" / "coverage.json").read_text())
     assert {"dequant-gemv-ternary", "dequant-matmul-ternary"} <= set(coverage["summary"]["op_classes"])
 
@@ -201,6 +253,21 @@ def test_native_import_refuses_ordinary_weights(ordinary_model, dist_dir):
         run_pipeline(str(folder), "host-cpu", "ternary", out=str(dist_dir), report=Reporter(quiet=True))
     msg = str(err.value)
     assert "q_proj.weight" in msg and "is not ternary" in msg and "ternary_ptq" in msg and "\n" not in msg
+
+
+def test_binary_import_refuses_ternary_weights(ternary_model, dist_dir):
+    """A ternary checkpoint (zeros in its groups) is not binary: refused in one line, naming the tensor,
+    the group and the presets that apply."""
+    from pipeline.progress import Reporter
+    from pipeline.stages import run_pipeline
+
+    folder, _ = ternary_model
+    before = sorted(dist_dir.iterdir()) if dist_dir.exists() else []
+    with pytest.raises(WeightsError) as err:
+        run_pipeline(str(folder), "host-cpu", "binary", out=str(dist_dir), report=Reporter(quiet=True))
+    msg = str(err.value)
+    assert "q_proj.weight" in msg and "is not binary" in msg and "zeros" in msg and "binary_ptq" in msg
+    assert "\n" not in msg and sorted(dist_dir.iterdir()) == before          # nothing half-written
 
 
 def _ptq(name: str, w: np.ndarray, rotation: int = 0) -> np.ndarray:
@@ -275,6 +342,8 @@ def _kernel_args(func, rng, sizes: dict[str, int], fmt: str) -> list[np.ndarray]
         if spec.dtype == "uint32" and fmt == "t2":    # every 2-bit code 0..2 (3 is never written)
             codes = rng.integers(0, 3, (*shape, 16)).astype(np.uint64)
             args.append((codes << (2 * np.arange(16, dtype=np.uint64))).sum(-1).astype(np.uint32))
+        elif spec.dtype == "uint32" and fmt == "b1":  # every bit pattern is 32 signs
+            args.append(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
         elif spec.dtype == "uint32":                   # t3: four bytes of five trits, each 0..242
             args.append(rng.integers(0, 243, (*shape, 4)).astype(np.uint8).view("<u4")[..., 0].astype(np.uint32))
         else:
@@ -282,7 +351,7 @@ def _kernel_args(func, rng, sizes: dict[str, int], fmt: str) -> list[np.ndarray]
     return args
 
 
-@pytest.mark.parametrize("fmt,rotation", [("t2", 1024), ("t3", 0)])
+@pytest.mark.parametrize("fmt,rotation", [("t2", 1024), ("t3", 0), ("b1", 0)])
 def test_adreno_ternary_kernels_on_pocl(fmt, rotation):
     """Every ternary dequantize-GEMV (decode) and dequantize-matmul (prefill, seq_len 5) of the adreno build,
     and the rotation kernels, scheduled by the target's rules, run on PoCL and match LLVM within 1e-4 of
@@ -329,19 +398,20 @@ def test_adreno_ternary_kernels_on_pocl(fmt, rotation):
 
 
 def test_memory_plan_ternary_bits():
-    """The plan's arithmetic for qwen27b (K = 5120 / 6144 / 17408): t2 2.125, t3 1.725-1.73 bits/weight."""
+    """The plan's arithmetic for qwen27b (K = 5120 / 6144 / 17408): t2 2.125, t3 1.725-1.73, b1 1.125
+    bits/weight."""
     from pathlib import Path
 
     from pipeline.memory_plan import memory_plan
 
     cfg = json.loads((Path(__file__).resolve().parent.parent / "configs" / "models" / "hf" /
                       "qwen3.5-27b.config.json").read_text())
-    for mode, lo, hi in (("t2f16", 2.125, 2.125), ("t3f16", 1.725, 1.73)):
+    for mode, lo, hi in (("t2f16", 2.125, 2.125), ("t3f16", 1.725, 1.73), ("b1f16", 1.125, 1.125)):
         plan = memory_plan(cfg, quant=mode)
         for group in ("mlp_up", "mlp_down", "gdn_out_proj", "attn_o"):
             g = plan["weights"][group]
             assert lo <= 8 * g["bytes"] / g["params"] <= hi, (mode, group)
-        assert plan["weights"]["mlp_down"]["precision"].startswith("ternary")
+        assert plan["weights"]["mlp_down"]["precision"].startswith("binary" if mode == "b1f16" else "ternary")
     t3 = memory_plan(cfg, quant="t3f16")["weights_total"]["bytes"]
     print(f"\nqwen27b all-t3 weights: {t3 / 1e9:.2f} GB")
     assert t3 < 6.5e9
@@ -359,16 +429,17 @@ def _aarch64_objects(bundle) -> list[bytes]:
     ("android-cpu", "ternary_t3"),
     pytest.param("android-adreno", "ternary", marks=pytest.mark.slow),
     pytest.param("android-adreno", "ternary_t3", marks=pytest.mark.slow),
+    pytest.param("android-adreno", "binary", marks=pytest.mark.slow),
 ])
-def test_phone_targets_compile_ternary(ternary_model, build_bundle, target, scheme):
+def test_phone_targets_compile_ternary(request, build_bundle, target, scheme):
     """The phone libraries build with ternary weights: aarch64 objects (+ OpenCL kernels on adreno, where
     every ternary decode GEMV is scheduled by the GEMV rule), bundle with the packed tensor cache."""
-    folder, _ = ternary_model
+    folder, _ = request.getfixturevalue("binary_model" if scheme == "binary" else "ternary_model")
     bundle = build_bundle(folder, target, scheme)
     objs = _aarch64_objects(bundle)
     assert objs and all(o[:4] == b"\x7fELF" and int.from_bytes(o[18:20], "little") == 183 for o in objs)
     kernels = json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]
-    fmt = {"ternary": "t2", "ternary_t3": "t3"}[scheme]
+    fmt = {"ternary": "t2", "ternary_t3": "t3", "binary": "b1"}[scheme]
     assert any(f"dequantize_{fmt}" in k["name"] for k in kernels)
     if target == "android-adreno":
         assert any(b"__kernel" in o for o in objs)

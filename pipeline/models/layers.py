@@ -55,7 +55,7 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
     """TE for W^T[k, n] from ternary codes (code = trit + 1) + one scale per 128 weights along K.
 
     t2: 16 two-bit codes per uint32 (NK [N, ceil(K/16)], KN transposed); t3: base-3, 5 codes per byte,
-    4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/ternary.py). Pure index arithmetic on the packed buffer, so the
+    4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/ternary.py); b1: 32 sign bits per uint32 (binary). Pure index arithmetic on the packed buffer, so the
     fused kernel reads packed codes only."""
     def at(buf, kk, nn_):
         return buf[nn_, kk] if layout == "NK" else buf[kk, nn_]
@@ -65,6 +65,10 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
             word = at(packed, kk // tern.T2_PER_WORD, nn_)
             shift = (kk % tern.T2_PER_WORD * 2).astype("uint32")
             return (word >> shift) & tirx.const(3, "uint32")
+        if fmt == "b1":                      # sign bit -> code 0 or 2 (value code - 1 = -1 or +1)
+            word = at(packed, kk // tern.B1_PER_WORD, nn_)
+            shift = (kk % tern.B1_PER_WORD).astype("uint32")
+            return ((word >> shift) & tirx.const(1, "uint32")) * tirx.const(2, "uint32")
         word = at(packed, kk // tern.T3_PER_WORD, nn_)
         shift = (kk % tern.T3_PER_WORD // tern.T3_PER_BYTE * 8).astype("uint32")
         byte = ((word >> shift) & tirx.const(0xFF, "uint32")).astype("int32")
