@@ -209,3 +209,24 @@ def test_calibrated_plan_predicts_kl_and_keeps_the_measurement(tmp_path_factory,
         again = plan_auto(ckpt.config, phone={"name": "small", "app_budget_gb": 0.01, "bandwidth_gbs": 50},
                           calibration=cal, **host)
     assert again["role_kl_q4_rtn"] == kl
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,phone", [("ios-metal", "iphone-12gb"), ("android-adreno", "android-16gb")])
+def test_qwen27b_auto_bundle_saves_the_plan(tmp_path, target, phone):
+    """The one-command build (config only, ~35 s): the plan is printed and saved in the bundle, and the
+    sub-q4 roles' GEMVs are GPU kernels (the b1 / t3 dequantize fused into dlight's GEMV)."""
+    from pipeline.progress import Reporter
+    from pipeline.stages import run_pipeline
+
+    result = run_pipeline("qwen27b", target, "auto", out=str(tmp_path), phone=phone, report=Reporter(quiet=True))
+    bundle = result.bundle
+    saved = json.loads((bundle / "reports" / "quant_auto.json").read_text())
+    assert saved["total_bytes"] <= saved["budget_bytes"] and saved["ternary_roles"]
+    assert "Warning:**" in (bundle / "reports" / "quant_auto.md").read_text()
+    low = set(saved["formats"].values()) & {"b1", "t3"}
+    assert low == ({"b1", "t3"} if phone == "iphone-12gb" else {"t3"})
+    kernels = json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]
+    for fmt in low:
+        rules = [k["rule"] for k in kernels if f"dequantize_{fmt}" in k["name"]]
+        assert "gemv" in rules, (fmt, rules)
