@@ -107,8 +107,8 @@ class QuantSpec:
     auto_context: int | None = None   # QUANT=auto: choose `formats` to fit the phone at this context
     # QUANT=auto: the lowest format a role may get (b1: PTQ binary, t3: PTQ ternary, or q4)
     auto_min_format: str = "b1"
-    # ternary (t2 / t3) weights: `native` imports a natively ternary checkpoint exactly and refuses any
-    # other tensor; `ptq` ternarises an ordinary model (MSE-optimal per group; loses quality)
+    # ternary (t2 / t3) and binary (b1) weights: `native` imports a natively ternary / binary checkpoint
+    # exactly and refuses any other tensor; `ptq` rounds an ordinary model (MSE-optimal per group; loses quality)
     ternary_source: str = "native"
     # Walsh-Hadamard rotation of linear-layer inputs (all but lm_head), folded into the weights at
     # conversion: the largest power-of-two block <= this dividing K; 0 = none
