@@ -54,7 +54,8 @@ class PackedFormat:
     block: str      # the fused TE's dequantize block
     bits: int       # per code; 32 // bits codes per uint32, code i at bits [bits * i, bits * (i + 1)); 8: int8
     group: int      # weights per scale along K
-    offset: int     # value = (code - offset) * scale
+    offset: int     # value = (step * code - offset) * scale
+    step: int = 1   # b1: a sign bit b stands for 2 b - 1
 
     @property
     def codes(self) -> int:
@@ -72,7 +73,8 @@ class PackedFormat:
 
 
 FORMATS = {"q4": PackedFormat("dequantize_kn", 4, 32, 7), "t2": PackedFormat("dequantize_t2_kn", 2, 128, 1),
-           "q8": PackedFormat("dequantize_q8_kn", 8, 32, 0)}
+           "q8": PackedFormat("dequantize_q8_kn", 8, 32, 0), "b1": PackedFormat("dequantize_b1_kn", 1, 128, 1, 2)}
+SIGN_FORMATS = ("t2", "b1")          # their kernels are "-ternary" op classes (coverage)
 
 
 def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str = "one"
@@ -141,7 +143,7 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
-    if fmt in INT16_FORMATS and byte_dot and k % LANES == 0:
+    if fmt in VNNI_FORMATS and byte_dot and k % LANES == 0:
         kernel = packed_kn_gemv_vnni(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     elif fmt in INT16_FORMATS and int16_dot and k % LANES == 0:
         kernel = packed_kn_gemv_int16(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
@@ -151,7 +153,7 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
         kernel = q8_kn_gemv(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     else:
         kernel = packed_kn_gemv(FORMATS[fmt], n, k, scale_dtype)
-    return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt == "t2" else "dequant-gemv")
+    return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt in SIGN_FORMATS else "dequant-gemv")
 
 
 def substitute(func: tirx.PrimFunc, kernel: tirx.PrimFunc, order: tuple[str, ...], op_class: str) -> tirx.PrimFunc:
@@ -229,7 +231,8 @@ def packed_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float
                     for j in T.unroll(vecs):
                         acc[T.Ramp(t * tile + j * LANES, 1, LANES)] = acc[T.Ramp(t * tile + j * LANES, 1, LANES)] + T.Cast(
                             vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (
-                            part[j] + part[vecs + j] - T.Broadcast(xs[g], LANES))
+                            (part[j] + part[vecs + j]) * T.Broadcast(T.float32(spec.step), LANES)
+                            - T.Broadcast(xs[g], LANES))
             for j in T.vectorized(span):
                 out[0, 0, task * span + j] = acc[j]
 
@@ -351,6 +354,7 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
 INT16_MAX = 32767.0
 SPLIT_K_MAX_N = 65536   # up to this many outputs a task's partial sums (256 KB) stay in L2: split K, not N
 INT16_FORMATS = ("q4", "t2")
+VNNI_FORMATS = ("q4", "t2", "b1")
 VNNI_Q_MAX = 32512.0     # 127 * 256 + 127: x's steps as two signed bytes (packed_kn_gemv_vnni)
 
 
@@ -522,7 +526,8 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
                         partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
                             task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
                             vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
-                            vf, part[j] * T.Broadcast(256, LANES) + part[vecs + j] - T.Broadcast(offset[g], LANES))
+                            vf, (part[j] * T.Broadcast(256, LANES) + part[vecs + j]) * T.Broadcast(spec.step, LANES)
+                            - T.Broadcast(offset[g], LANES))
             if splits == 1:     # static: the columns' own sums are the result
                 _copy_row(out, partial, 0, task * span, span)
         if splits > 1:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_gemv import FORMATS, LANES, PackedFormat, match_packed_kn_gemv, substitute
+from .cpu_gemv import FORMATS, LANES, SIGN_FORMATS, PackedFormat, match_packed_kn_gemv, substitute
 
 ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators)
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
@@ -46,7 +46,7 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
         else:
             code = T.Cast("float32", T.bitwise_and(
                 T.shift_right(w[kk // codes, col], T.Cast("uint32", kk % codes * bits)), T.uint32(mask)))
-            code = code - T.float32(spec.offset)
+            code = code * T.float32(spec.step) - T.float32(spec.offset)
         return code * T.Cast("float32", s[kk // group, col])
 
     @T.macro
@@ -90,11 +90,11 @@ def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
-    if byte_dot and fmt in ("q4", "t2") and n % LANES == 0:
+    if byte_dot and fmt in ("q4", "t2", "b1") and n % LANES == 0:
         kernel = packed_kn_matmul_vnni(FORMATS[fmt], n, k, scale_dtype)
     else:
         kernel = packed_kn_matmul(FORMATS[fmt], n, k, scale_dtype)
-    return substitute(func, kernel, order, "dequant-matmul-ternary" if fmt == "t2" else "dequant-matmul")
+    return substitute(func, kernel, order, "dequant-matmul-ternary" if fmt in SIGN_FORMATS else "dequant-matmul")
 
 
 VNNI_ROWS = 4      # prompt rows per register tile of the byte kernel (x 2 vectors x hi/lo: 16 int32 sums)
@@ -110,7 +110,8 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
     A task unpacks its 16 (or 8) columns of codes once — per word and shift, the 4 codes of each column as
     the 4 bytes of a uint32 — then runs the prompt's rows `rows` at a time over them: per quad of k, one
     `vpdpbusd` per row, vector and byte half; at the end of each group the int32 sums become fp32 (exact,
-    as in the decode kernel) and out += s * d * (256 hi + lo - offset * sum(q))."""
+    as in the decode kernel) and out += s * d * (step * (256 hi + lo) - offset * sum(q)) (step 2 for b1's
+    sign bits, 1 otherwise)."""
     from .cpu_gemv import VNNI_Q_MAX, quad_bytes, quad_low_bytes
 
     vecs = 2 if n % (2 * LANES) == 0 else 1
@@ -144,8 +145,8 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
                 for j in T.unroll(vecs):
                     facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (
                         T.Broadcast(d[first + r, g], LANES) * T.Cast(
-                            vf, iacc[r * 2 * vecs + j] * T.Broadcast(256, LANES) + iacc[(r * 2 + 1) * vecs + j]
-                            - T.Broadcast(off[first + r, g], LANES)))
+                            vf, (iacc[r * 2 * vecs + j] * T.Broadcast(256, LANES) + iacc[(r * 2 + 1) * vecs + j])
+                            * T.Broadcast(spec.step, LANES) - T.Broadcast(off[first + r, g], LANES)))
         for r in T.unroll(count):
             for j in T.unroll(vecs):
                 out[0, first + r, T.Ramp(col + j * LANES, 1, LANES)] = facc[r * vecs + j]

@@ -68,16 +68,16 @@ def test_prefill_tiles_dequantize_once_per_tile(layout, bits):
 
 
 def _prompt_matmul(fmt: str, k: int, n: int, relax_order: bool):
-    """A prompt's rows (symbolic) times KN codes of `fmt` (q4, q8, t2)."""
+    """A prompt's rows (symbolic) times KN codes of `fmt` (q4, q8, t2, b1)."""
     from pipeline import ternary as tern
     from pipeline.models.layers import dequantize_ternary_te
 
     rows = tirx.Var("seq_len", "int64")
     x = te.placeholder((1, rows, k), "float32", name="x")
-    if fmt == "t2":
-        w = te.placeholder((tern.packed_len("t2", k), n), "uint32", name="w")
+    if fmt in ("t2", "b1"):
+        w = te.placeholder((tern.packed_len(fmt, k), n), "uint32", name="w")
         s = te.placeholder((tern.n_groups(k), n), "float16", name="s")
-        wt = dequantize_ternary_te(w, s, "t2", "KN", k, n, "float32")
+        wt = dequantize_ternary_te(w, s, fmt, "KN", k, n, "float32")
     elif fmt == "q4":
         w = te.placeholder((k // 8, n), "uint32", name="w")
         s = te.placeholder((k // 32, n), "float16", name="s")
@@ -91,7 +91,8 @@ def _prompt_matmul(fmt: str, k: int, n: int, relax_order: bool):
     return te.create_prim_func([w, s, x, out] if relax_order else [x, w, s, out]).with_attr("global_symbol", "main")
 
 
-@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q8", 96, 80), ("t2", 192, 48)])
+@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q8", 96, 80), ("t2", 192, 48),
+                                     ("b1", 192, 48)])
 @pytest.mark.parametrize("relax_order", [False, True])
 def test_prefill_kn_matmul_is_the_hand_written_kernel(fmt, k, n, relax_order):
     """A prompt times KN codes becomes cpu_prefill's kernel (rows four at a time over a dequantized tile,
@@ -104,7 +105,7 @@ def test_prefill_kn_matmul_is_the_hand_written_kernel(fmt, k, n, relax_order):
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     text = sch.mod["main"].script()
     assert 'sblock("dequantize' not in text and "float32x8" in text and "T.parallel" in text
-    want_class = "dequant-matmul-ternary" if fmt == "t2" else "dequant-matmul"
+    want_class = "dequant-matmul-ternary" if fmt in ("t2", "b1") else "dequant-matmul"
     assert classify(f"fused_dequantize_{fmt}_kn_matmul", sch.mod["main"]) == want_class
     for n_rows in (1, 4, 7, 33):
         want = _run(func, n_rows)
@@ -274,14 +275,15 @@ def test_decode_q8_gemv_is_the_hand_written_kernel(threads, monkeypatch):
     np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def _t2_gemv_func(k: int, n: int = 48):
+def _t2_gemv_func(k: int, n: int = 48, fmt: str = "t2"):
+    """One token times KN ternary t2 (or binary b1) codes, as layers' fused TE."""
     from pipeline import ternary as tern
     from pipeline.models.layers import dequantize_ternary_te
 
     x = te.placeholder((1, 1, k), "float32", name="x")
-    w = te.placeholder((tern.packed_len("t2", k), n), "uint32", name="w")
+    w = te.placeholder((tern.packed_len(fmt, k), n), "uint32", name="w")
     s = te.placeholder((tern.n_groups(k), n), "float16", name="s")
-    wt = dequantize_ternary_te(w, s, "t2", "KN", k, n, "float32")
+    wt = dequantize_ternary_te(w, s, fmt, "KN", k, n, "float32")
     r = te.reduce_axis((0, k), name="k")
     out = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
     return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
@@ -305,7 +307,7 @@ def test_decode_t2_gemv_takes_int16_dot_products_on_avx2(k, threads, monkeypatch
 
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("fmt,n,k", [("q4", 72, K), ("q4", 40, K), ("q4", 192, K), ("t2", 48, 256),
-                                     ("t2", 48, 192), ("t2", 48, 576)])
+                                     ("t2", 48, 192), ("t2", 48, 576), ("b1", 48, 256), ("b1", 48, 576)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monkeypatch):
     """With AVX-512 VNNI (this machine's znver4, if it is one) q4 and t2 take the vpdpbusd kernel: x at the
@@ -314,7 +316,7 @@ def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monke
     from pipeline import cpu_schedule as cs
 
     monkeypatch.setattr(cs, "build_threads", lambda: threads)
-    func = _q4_gemv_func(n, relax_order=True) if fmt == "q4" else _t2_gemv_func(k, n)   # q4: K = 96
+    func = _q4_gemv_func(n, relax_order=True) if fmt == "q4" else _t2_gemv_func(k, n, fmt)   # q4: K = 96
     sch = CPUInlineParallel().apply(func, HOST, False)
     text = sch.mod["main"].script()
     assert "vpdpbusd" in text and "pmadd.wd" not in text
@@ -323,15 +325,17 @@ def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monke
 
 
 @pytest.mark.parametrize("k", [256, 192])     # 192: the last group of 128 holds only 64 weights (K = 576-like)
-def test_decode_t2_gemv_is_the_hand_written_kernel(k):
-    """Ternary t2 (16 two-bit codes per word, (code - 1) * scale per 128): the same kernel with 2-bit fields."""
+@pytest.mark.parametrize("fmt", ["t2", "b1"])
+def test_decode_t2_gemv_is_the_hand_written_kernel(k, fmt):
+    """Ternary t2 (16 two-bit codes per word, (code - 1) * scale per 128): the same kernel with 2-bit fields;
+    binary b1 (32 sign bits per word, (2 bit - 1) * scale): with 1-bit fields and a step of 2."""
     from pipeline.cpu_gemv import match_packed_kn_gemv
 
-    func = _t2_gemv_func(k)
-    assert match_packed_kn_gemv(func)[0] == "t2"
+    func = _t2_gemv_func(k, fmt=fmt)
+    assert match_packed_kn_gemv(func)[0] == fmt
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     assert 'sblock("dequantize' not in sch.mod["main"].script()
-    assert classify("fused_dequantize_t2_kn_matmul", sch.mod["main"]) == "dequant-gemv-ternary"
+    assert classify(f"fused_dequantize_{fmt}_kn_matmul", sch.mod["main"]) == "dequant-gemv-ternary"
     want = _run(func, 1)   # random words: code 3 (unused by real packings) is still computed alike
     np.testing.assert_allclose(_run(sch.mod["main"], 1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -407,7 +411,8 @@ def test_runtime_uses_every_cpu_by_default():
 
 
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product prefill needs AVX-512 VNNI; this CPU has none")
-@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("t2", 192, 48), ("t2", 576, 16)])
+@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("t2", 192, 48), ("t2", 576, 16),
+                                     ("b1", 192, 48), ("b1", 576, 16)])
 def test_prefill_takes_byte_dot_products_with_vnni(fmt, k, n):
     """With AVX-512 VNNI a prompt times KN q4 / t2 codes is the vpdpbusd kernel (x per row and group in two
     bytes, rows 4 at a time, the rest one at a time): within 2e-4 of the fp32 TE's largest output (measured
