@@ -60,6 +60,7 @@ BELOW_Q4 = ("b1", "t3")           # post-training sign formats: the plan warns w
 SENSITIVITY_MAX_PARAMS = 1.0e9   # the end-to-end sensitivity pass (roles + 1 forwards) for models up to this size
 GAUSSIAN_EPS = {"b1": 0.361, "t3": 0.187, "q4": 7.1e-3, "q8": 2.9e-5, "float": 0.0}
 BITS = {"b1": 1.125, "t3": 1.725, "q4": 4.5, "q8": 8.5, "float": 16.0}
+_FORMAT_NAMES = {"b1": "binary b1", "t3": "ternary t3"}
 _HF_KEYS = {
     "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "o_proj": ("self_attn.o_proj.weight",),
@@ -229,8 +230,8 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     if total > budget:
         smallest, small_plan = evaluate({r: min_format for r in roles})
         if smallest > budget:
-            everywhere = {"q4": "q4 everywhere", "t3": "ternary t3 everywhere (1.725 bits/weight)",
-                          "b1": "binary b1 everywhere (1.125 bits/weight)"}[min_format]
+            everywhere = ("q4 everywhere" if min_format == "q4" else
+                          f"{_FORMAT_NAMES[min_format]} everywhere ({BITS[min_format]} bits/weight)")
             without_kv = smallest - small_plan["contexts"][0]["kv_bytes"]
             raise ConfigError(
                 f"{model_name} does not fit {phone.get('name', 'the phone')}: the smallest plan, {everywhere}, "

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import ternary as tern
+
 LANES = 8                      # fp32 lanes of an AVX2 register (two NEON registers on aarch64)
 VECTORS_PER_TASK = (3, 2, 1)   # 24 output columns in registers when N allows (measured best), else 16 / 8
 SPAN_MAX = 1024                # output columns per task: 4 KB of accumulators; 512-2048 measured alike
@@ -74,7 +76,6 @@ class PackedFormat:
 
 FORMATS = {"q4": PackedFormat("dequantize_kn", 4, 32, 7), "t2": PackedFormat("dequantize_t2_kn", 2, 128, 1),
            "q8": PackedFormat("dequantize_q8_kn", 8, 32, 0), "b1": PackedFormat("dequantize_b1_kn", 1, 128, 1, 2)}
-SIGN_FORMATS = ("t2", "b1")          # their kernels are "-ternary" op classes (coverage)
 
 
 def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str = "one"
@@ -153,7 +154,7 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
         kernel = q8_kn_gemv(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     else:
         kernel = packed_kn_gemv(FORMATS[fmt], n, k, scale_dtype)
-    return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt in SIGN_FORMATS else "dequant-gemv")
+    return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt in tern.PACKINGS else "dequant-gemv")
 
 
 def substitute(func: tirx.PrimFunc, kernel: tirx.PrimFunc, order: tuple[str, ...], op_class: str) -> tirx.PrimFunc:

@@ -20,7 +20,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_gemv import FORMATS, LANES, SIGN_FORMATS, PackedFormat, match_packed_kn_gemv, substitute
+from . import ternary as tern
+from .cpu_gemv import FORMATS, LANES, VNNI_FORMATS, PackedFormat, match_packed_kn_gemv, substitute
 
 ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators)
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
@@ -90,11 +91,11 @@ def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
-    if byte_dot and fmt in ("q4", "t2", "b1") and n % LANES == 0:
+    if byte_dot and fmt in VNNI_FORMATS and n % LANES == 0:
         kernel = packed_kn_matmul_vnni(FORMATS[fmt], n, k, scale_dtype)
     else:
         kernel = packed_kn_matmul(FORMATS[fmt], n, k, scale_dtype)
-    return substitute(func, kernel, order, "dequant-matmul-ternary" if fmt in SIGN_FORMATS else "dequant-matmul")
+    return substitute(func, kernel, order, "dequant-matmul-ternary" if fmt in tern.PACKINGS else "dequant-matmul")
 
 
 VNNI_ROWS = 4      # prompt rows per register tile of the byte kernel (x 2 vectors x hi/lo: 16 int32 sums)

@@ -156,22 +156,29 @@ def pack(trits: np.ndarray, fmt: str, k: int) -> np.ndarray:
     n = trits.shape[0]
     codes = (trits.astype(np.int16) + 1).astype(np.uint8)
     if fmt == "t2":
-        width = packed_len("t2", k) * T2_PER_WORD
-        c = _pad_cols(codes, width)[:, :width].reshape(n, -1, T2_PER_WORD).astype(np.uint32)
-        return np.bitwise_or.reduce(c << (np.arange(T2_PER_WORD, dtype=np.uint32) * 2), axis=-1)
+        return _pack_fields(codes, 2, packed_len("t2", k))
     if fmt == "t3":
         width = packed_len("t3", k) * T3_PER_WORD
         c = _pad_cols(codes[:, :k], width).reshape(n, -1, T3_PER_BYTE).astype(np.uint16)
         stream = np.ascontiguousarray((c * _POW3).sum(axis=-1).astype(np.uint8))
         return stream.view("<u4").astype(np.uint32, copy=False)
     if fmt == "b1":
-        width = packed_len("b1", k) * B1_PER_WORD
-        bits = (trits[:, :k] > 0).astype(np.uint32)
-        if bits.shape[1] < width:
-            bits = np.concatenate([bits, np.ones((n, width - bits.shape[1]), np.uint32)], axis=1)
-        return np.bitwise_or.reduce(bits.reshape(n, -1, B1_PER_WORD) << np.arange(B1_PER_WORD, dtype=np.uint32),
-                                    axis=-1)
+        return _pack_fields((trits[:, :k] > 0).astype(np.uint8), 1, packed_len("b1", k))
     raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
+
+
+def _pack_fields(codes: np.ndarray, bits: int, words: int) -> np.ndarray:
+    """codes [N, C] -> [N, words] uint32 of 32 // bits fields, code i of a word at bits [bits i, bits (i + 1));
+    columns past C padded with code 1 (t2: a zero weight; b1: +s, past K, never read)."""
+    per = 32 // bits
+    c = _pad_cols(codes, words * per)[:, :words * per].reshape(codes.shape[0], words, per).astype(np.uint32)
+    return np.bitwise_or.reduce(c << (np.arange(per, dtype=np.uint32) * bits), axis=-1)
+
+
+def _unpack_fields(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of `_pack_fields`: [N, words] uint32 -> codes [N, words * 32 // bits]."""
+    shifts = np.arange(32 // bits, dtype=np.uint32) * bits
+    return ((packed.astype(np.uint32)[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)
 
 
 def _pad_cols(codes: np.ndarray, width: int) -> np.ndarray:
@@ -185,14 +192,12 @@ def unpack(packed: np.ndarray, fmt: str, k: int) -> np.ndarray:
     """NK packed codes -> trits int8 [N, k]."""
     n = packed.shape[0]
     if fmt == "t2":
-        shifts = np.arange(T2_PER_WORD, dtype=np.uint32) * 2
-        codes = ((packed.astype(np.uint32)[..., None] >> shifts) & 3).reshape(n, -1)
+        codes = _unpack_fields(packed, 2)
     elif fmt == "t3":
         stream = np.ascontiguousarray(packed.astype("<u4")).view(np.uint8)
         codes = ((stream.astype(np.uint16)[..., None] // _POW3) % 3).reshape(n, -1)
     elif fmt == "b1":
-        bits = (packed.astype(np.uint32)[..., None] >> np.arange(B1_PER_WORD, dtype=np.uint32)) & 1
-        codes = bits.reshape(n, -1).astype(np.int16) * 2                    # 0 -> -1, 1 -> +1 below
+        codes = _unpack_fields(packed, 1).astype(np.int16) * 2             # 0 -> -1, 1 -> +1 below
     else:
         raise ValueError(f"unknown ternary packing {fmt!r}; expected one of {PACKINGS}")
     return (codes[:, :k].astype(np.int16) - 1).astype(np.int8)

@@ -55,8 +55,8 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
     """TE for W^T[k, n] from ternary codes (code = trit + 1) + one scale per 128 weights along K.
 
     t2: 16 two-bit codes per uint32 (NK [N, ceil(K/16)], KN transposed); t3: base-3, 5 codes per byte,
-    4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/ternary.py); b1: 32 sign bits per uint32 (binary). Pure index arithmetic on the packed buffer, so the
-    fused kernel reads packed codes only."""
+    4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/ternary.py); b1: 32 sign bits per uint32 (binary,
+    code 2 bit). Pure index arithmetic on the packed buffer, so the fused kernel reads packed codes only."""
     def at(buf, kk, nn_):
         return buf[nn_, kk] if layout == "NK" else buf[kk, nn_]
 
