@@ -446,3 +446,29 @@ def test_prompt_elementwise_runs_whole_vectors_per_task():
     assert text.count("T.parallel") == 1 and re.search(r"T\.vectorized\((T\.int64\()?8\b", text)
     for n_rows in (1, 3, 17):
         np.testing.assert_allclose(_run(sch.mod["main"], n_rows), _run(func, n_rows), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,fmt", [("int16", "q4"), ("int16", "t2"), ("vnni", "q4"), ("vnni", "t2"), ("vnni", "b1"),
+                                      ("q8vnni", "q8")])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_integer_gemvs_prefetch_the_next_group_only_when_near(kind, fmt, splits, monkeypatch):
+    """The integer GEMVs prefetch the next group's code rows of their tile (the task's own next group: a part
+    of K ends at its last) when a group of rows spans at most PREFETCH_MAX_AHEAD bytes, never for a 49152-wide
+    lm_head; the prefetch changes no result (bit-identical to the same kernel without it)."""
+    from pipeline import cpu_gemv as cg
+
+    builder = {"int16": cg.packed_kn_gemv_int16, "vnni": cg.packed_kn_gemv_vnni, "q8vnni": cg.q8_kn_gemv_vnni}[kind]
+    spec = cg.FORMATS[fmt]
+    assert "llvm.prefetch" in builder(spec, 3072, 576, "float16", splits).script()
+    assert "llvm.prefetch" not in builder(spec, 49152, 576, "float16", splits).script()
+    n, k = 96, 640 if fmt != "q8" else 256   # t2 / b1: 5 groups of 128, q4 / q8: 20 / 8 groups of 32
+    target = AVX2 if kind == "int16" else HOST
+    if (kind == "int16" and not _has_avx2(HOST)) or (kind != "int16" and not _has_vnni(HOST)):
+        pytest.skip("this CPU cannot run the kernel")
+    outs = []
+    for ahead in (cg.PREFETCH_MAX_AHEAD, 0):
+        monkeypatch.setattr(cg, "PREFETCH_MAX_AHEAD", ahead)
+        func = builder(spec, n, k, "float16", splits).with_attr("global_symbol", "main")
+        assert ("llvm.prefetch" in func.script()) == (ahead > 0)
+        outs.append(_run(func, 1, target))
+    np.testing.assert_array_equal(outs[0], outs[1])
