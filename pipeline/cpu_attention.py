@@ -6,8 +6,9 @@ spends ~9 G scalar multiply-adds in attention across 30 layers) and a growing sh
 The kernels here compute the same thing with the same names, signatures and outputs, so the runtime's KV
 cache calls them unchanged:
 
-* every (query row, head) is an independent task of a parallel loop (prefill: every pair of consecutive
-  rows of a head, sharing each K / V row load, `_row_block`);
+* prefill: every pair of consecutive query rows of a head is an independent task of a parallel loop,
+  sharing each K / V row load (`_row_block`); decode: every (KV head, part of the pages), all the query
+  heads of that KV head together (GQA), the parts' softmax states merged at the end (`paged_decode`);
 * keys are taken in tiles of TILE: the tile's scores (dot products split into LANES vector partial sums,
   since LLVM will not reorder a float reduction itself), one rescale of the running output per tile
   (online softmax, base 2 like TVM's: scores carry log2(e) * sm_scale), then the tile's weighted values
@@ -256,9 +257,91 @@ def ragged_prefill(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, rows: i
     return batch_prefill_ragged_kv
 
 
-def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+DECODE_SPLITS = 4   # parts of a sequence's pages per KV head in decode: 3 KV heads x 4 = 12 tasks (2 threads even)
+
+
+@T.macro
+def _gqa_decode_part(q: T.Buffer, pages: T.Buffer, page_values: T.Buffer, b: T.int32, kv_head: T.int32,
+                     first: T.int32, n_keys: T.int32, t0: T.int32, t1: T.int32, sm_scale: T.float32,
+                     part_acc: T.Buffer, part_st: T.Buffer, task: T.int32, group: int, d: int, prefetch: bool):
+    """Pages t0 .. t1 - 1 (one page = one tile of TILE keys) of a sequence for the `group` query heads that
+    read KV head `kv_head`: each K / V vector is loaded once for all of them, and the next page's rows are
+    prefetched while this one's are summed (a page holds 4 KB of a head's keys, one memory page: the
+    hardware prefetcher starts over at each). Leaves each head's unnormalised output and (max, sum) in
+    part_acc / part_st[task] (sum 0 when the part has no keys)."""
+    acc = T.decl_buffer((group * d,), "float32")
+    qv = T.decl_buffer((group * d,), "float32")
+    sc = T.decl_buffer((group * TILE,), "float32")
+    part = T.decl_buffer((group * TILE * LANES,), "float32")
+    pv = T.decl_buffer((group,), f"float32x{LANES}", scope="local")
+    st = T.decl_buffer((group * 3,), "float32")   # per head: running max, running sum, tile max
+    for i in T.unroll(group):
+        for x in T.vectorized(d):
+            qv[i * d + x] = T.Cast("float32", q[b, kv_head * group + i, x]) * (sm_scale * LOG2E)
+        for x in T.vectorized(d):
+            acc[i * d + x] = T.float32(0)
+        st[i * 3] = T.float32(NEG)
+        st[i * 3 + 1] = T.float32(0)
+    for t in range(t0, t1):
+        page: T.let[T.int32] = page_values[first + t]
+        ahead: T.let[T.int32] = page_values[first + T.min(t + 1, t1 - 1)]
+        for jj in range(TILE):          # slots past the sequence's end hold stale values; masked below
+            if prefetch and t + 1 < t1:
+                for which in T.unroll(2):
+                    for line in T.unroll(d // 16):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                            pages[ahead, which, kv_head, jj, line * 16]), T.int32(0), T.int32(3), T.int32(1)))
+            for i in T.unroll(group):
+                pv[i] = T.Broadcast(T.float32(0), LANES)
+            for c in T.unroll(d // LANES):
+                for i in T.unroll(group):
+                    pv[i] = pv[i] + qv[T.Ramp(i * d + c * LANES, 1, LANES)] * T.Cast(
+                        f"float32x{LANES}", pages[page, 0, kv_head, jj, T.Ramp(c * LANES, 1, LANES)])
+            for i in T.unroll(group):
+                part[T.Ramp((i * TILE + jj) * LANES, 1, LANES)] = pv[i]
+        for i in T.unroll(group):
+            for g in T.unroll(TILE // LANES):
+                sc[T.Ramp(i * TILE + g * LANES, 1, LANES)] = _lane_sums(part, (i * TILE + g * LANES) * LANES)
+            st[i * 3 + 2] = T.float32(NEG)
+            for jj in range(TILE):
+                if t * TILE + jj < n_keys:
+                    st[i * 3 + 2] = T.max(st[i * 3 + 2], sc[i * TILE + jj])
+            if st[i * 3 + 2] > st[i * 3]:
+                st[i * 3 + 1] = st[i * 3 + 1] * T.exp2(st[i * 3] - st[i * 3 + 2])
+                for x in T.vectorized(d):
+                    acc[i * d + x] = acc[i * d + x] * T.exp2(st[i * 3] - st[i * 3 + 2])
+                st[i * 3] = st[i * 3 + 2]
+            for jj in T.vectorized(TILE):
+                sc[i * TILE + jj] = T.Select(t * TILE + jj < n_keys, _exp2(sc[i * TILE + jj] - st[i * 3]), T.float32(0))
+            for jj in range(TILE):
+                st[i * 3 + 1] = st[i * 3 + 1] + sc[i * TILE + jj]
+        for jj in range(T.min(TILE, n_keys - t * TILE)):
+            for c in T.unroll(d // LANES):
+                for i in T.unroll(group):
+                    acc[T.Ramp(i * d + c * LANES, 1, LANES)] = acc[T.Ramp(i * d + c * LANES, 1, LANES)] + (
+                        T.Broadcast(sc[i * TILE + jj], LANES) * T.Cast(
+                            f"float32x{LANES}", pages[page, 1, kv_head, jj, T.Ramp(c * LANES, 1, LANES)]))
+    for i in T.unroll(group):
+        for x in T.vectorized(d):
+            part_acc[task, i, x] = acc[i * d + x]
+        part_st[task, i, 0] = st[i * 3]
+        part_st[task, i, 1] = st[i * 3 + 1]
+
+
+def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16, splits: int = DECODE_SPLITS,
+                 prefetch: bool = True):
     """One new token per sequence over the sequence's cached pages (no sliding window). Signature of TVM's
-    `tir_attention_decode_cpu`; pages are [page, K|V, head, slot, dim]."""
+    `tir_attention_decode_cpu`; pages are [page, K|V, head, slot, dim].
+
+    A task is (sequence, KV head, part of the pages): the query heads sharing that KV head go together
+    (GQA: one load of each K / V vector serves all of them, `_gqa_decode_part`), and each KV head's pages
+    come in `splits` parts, so that 3 KV heads still make enough tasks for the threads; the parts' online-
+    softmax states are merged at the end (flash-decoding). SmolLM2 (3 KV heads, 9 query heads), 30 layers'
+    pages, not in cache: 2-3x the kernel of one task per query head from 512 keys on. `prefetch`: the next
+    page's rows (x86 builds, where it was measured; TVM 0.27's system-lib symbol pass cannot rename a
+    kernel that takes an element's address, so the android-* tar builds go without)."""
+    if page_size != TILE:
+        return None
     group = h_q // h_kv
 
     @T.prim_func
@@ -286,23 +369,40 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
         lse = T.match_buffer(lse_handle, (B, h_q), "float32")
         last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_off)
         assert rotary_mode == 0, "this attention kernel needs RoPE applied before it (RopeMode.NORMAL)"
-        for task in T.parallel(B * h_q):
-            acc = T.decl_buffer((d,), "float32")
-            qv = T.decl_buffer((d,), "float32")
-            sc = T.decl_buffer((TILE,), "float32")
-            part = T.decl_buffer((TILE * LANES,), "float32")
-            st = T.decl_buffer((3,), "float32")
-            b: T.let[T.int32] = task // h_q
-            h: T.let[T.int32] = task % h_q
+        part_acc = T.alloc_buffer((B * h_kv * splits, group, d), "float32")
+        part_st = T.alloc_buffer((B * h_kv * splits, group, 2), "float32")
+        for task in T.parallel(B * h_kv * splits):
+            b: T.let[T.int32] = task // (h_kv * splits)
             first: T.let[T.int32] = page_table_indptr[b]
             n_pages: T.let[T.int32] = page_table_indptr[b + 1] - first
             n_keys: T.let[T.int32] = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
-            for i in T.vectorized(d):
-                qv[i] = T.Cast("float32", q[b, h, i]) * (sm_scale * LOG2E)
-            _paged_keys(acc, qv, sc, part, st, pages, page_table_values, first, n_keys, h // group, page_size, d)
-            for i in T.vectorized(d):
-                output[b, h, i] = T.Cast(dtype, acc[i] / st[1])
-            lse[b, h] = st[0] + T.log2(st[1])
+            per: T.let[T.int32] = (n_pages + splits - 1) // splits
+            t0: T.let[T.int32] = T.min(task % splits * per, n_pages)
+            _gqa_decode_part(q, pages, page_table_values, b, task // splits % h_kv, first, n_keys, t0,
+                             T.min(t0 + per, n_pages), sm_scale, part_acc, part_st, task, group, d, prefetch)
+        for row in range(B * h_q):      # merge the parts' states: a few hundred multiply-adds per head
+            stat = T.decl_buffer((2,), "float32")   # max, then the sum of 2^(max_p - max) * sum_p
+            base: T.let[T.int32] = row // h_q * h_kv * splits + row % h_q // group * splits
+            stat[0] = T.float32(NEG)
+            for p in range(splits):
+                if part_st[base + p, row % h_q % group, 1] > T.float32(0):
+                    stat[0] = T.max(stat[0], part_st[base + p, row % h_q % group, 0])
+            stat[1] = T.float32(0)
+            for p in range(splits):
+                stat[1] = stat[1] + part_st[base + p, row % h_q % group, 1] * T.exp2(
+                    part_st[base + p, row % h_q % group, 0] - stat[0])
+            merged = T.decl_buffer((d,), "float32")
+            for x in T.vectorized(d):
+                merged[x] = T.float32(0)
+            for p in range(splits):
+                if part_st[base + p, row % h_q % group, 1] > T.float32(0):
+                    for x in T.vectorized(d):
+                        merged[x] = merged[x] + part_acc[base + p, row % h_q % group, x] * (
+                            T.exp2(part_st[base + p, row % h_q % group, 0] - stat[0]) / stat[1])
+            for x in T.vectorized(d):
+                output[row // h_q, row % h_q, x] = T.Cast(dtype, merged[x])
+            lse[row // h_q, row % h_q] = T.if_then_else(stat[1] > T.float32(0), stat[0] + T.log2(stat[1]),
+                                                        T.float32(NEG))
 
     return batch_decode_paged_kv
 
@@ -460,14 +560,17 @@ def _ragged_for(func: tvm.tirx.PrimFunc):
 
 
 def _decode_for(func: tvm.tirx.PrimFunc):
-    """Our paged decode kernel for TVM's non-sliding-window `func`, or None."""
+    """Our paged decode kernel for TVM's non-sliding-window `func`, or None; it prefetches on x86."""
+    from .cpu_schedule import _has_avx2
+
     q, pages = func.params[:2]
     length_info = func.params[4]
     qd, pd = _static(q.shape[1:]), _static(pages.shape[1:])
     if not (qd and pd) or len(length_info.shape) != 1 or pd[0] != 2 or qd[1] != pd[3] or qd[1] % LANES \
             or qd[0] % pd[1]:
         return None
-    return paged_decode(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2])
+    return paged_decode(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2],
+                        prefetch=_has_avx2(tvm.target.Target.current(allow_none=True)))
 
 
 def _paged_prefill_for(func: tvm.tirx.PrimFunc):

@@ -129,6 +129,44 @@ def test_paged_decode(kernels):
     _check(out, lse, reference([x[None] for x in q], ks, vs, causal=False))
 
 
+@pytest.mark.parametrize("h_kv,h_q,d,dtype,splits", [(2, 12, 128, "float32", 4), (3, 9, 64, "float32", 3),
+                                                     (1, 4, 64, "float16", 2)])
+def test_paged_decode_groups_query_heads_and_splits_pages(h_kv, h_q, d, dtype, splits):
+    """The decode task is (sequence, KV head, part of its pages): other GQA groups (6 query heads per KV head,
+    qwen27b-like; a single KV head), split counts that leave parts empty (a one-page sequence) or uneven,
+    several sequences, fp16 pages; the merged output matches float64 attention (fp16: its own rounding)."""
+    rng = np.random.default_rng(7)
+    lengths = [5, 70, 0, 33, 16 * 11 + 3]
+    n_pages = sum(-(-n // PAGE) for n in lengths) + 3
+    pool = rng.standard_normal((n_pages, 2, h_kv, PAGE, d)).astype(dtype)
+    order = rng.permutation(n_pages).astype(np.int32)
+    indptr, table, last = [0], [], []
+    for n in lengths:
+        table += list(order[len(table):len(table) + -(-n // PAGE)])
+        indptr.append(len(table))
+        last.append(n - (-(-n // PAGE) - 1) * PAGE if n else 0)
+    q = rng.standard_normal((len(lengths), h_q, d)).astype(dtype)
+    out = _t(np.zeros((len(lengths), h_q, d), dtype))
+    lse = _t(np.zeros((len(lengths), h_q), np.float32))
+    zeros = _t(np.zeros(len(lengths), np.int32))
+    sm = 1 / math.sqrt(d)
+    _compile(ca.paged_decode(h_kv, h_q, d, dtype, PAGE, splits=splits))(
+        _t(q), _t(pool), _t(np.array(indptr, np.int32)), _t(np.array(table, np.int32)), _t(np.array(last, np.int32)),
+        zeros, zeros, out, lse, 0, 1.0, 1e4, sm)
+    tol = TOL if dtype == "float32" else 2e-3
+    for s, n in enumerate(lengths):
+        if n == 0:
+            assert np.all(out.numpy()[s] == 0) and np.all(lse.numpy()[s] == -5e4)
+            continue
+        pages = table[indptr[s]:indptr[s + 1]]
+        kv = np.concatenate([pool[p] for p in pages], axis=2)[:, :, :n].astype(np.float64)   # [2, h_kv, n, d]
+        for h in range(h_q):
+            sc = kv[0, h // (h_q // h_kv)] @ q[s, h].astype(np.float64) * sm * math.log2(math.e)
+            p = np.exp2(sc - sc.max())
+            assert np.abs(out.numpy()[s, h] - p @ kv[1, h // (h_q // h_kv)] / p.sum()).max() <= tol
+            assert abs(lse.numpy()[s, h] - (sc.max() + math.log2(p.sum()))) <= TOL
+
+
 @pytest.mark.parametrize("causal", [1, 0])
 def test_paged_prefill(kernels, causal):
     """New tokens over cached pages (a chunked prefill / a follow-up turn), including a sequence with no
@@ -229,7 +267,7 @@ def test_inline_rope_is_refused(kernels):
 
 
 def test_host_builds_use_them():
-    """The fuse stage swaps TVM's three serial CPU kernels (sliding-window variants stay TVM's)."""
+    """The fuse stage swaps TVM's serial CPU kernels (sliding-window variants stay TVM's)."""
     from test_coverage import SMALL
 
     from pipeline.config import ModelSpec, load_quant, load_target
@@ -240,9 +278,17 @@ def test_host_builds_use_them():
 
     loaded = Loaded(ModelSpec(name="small", hf_config=SMALL, weights=None), SMALL, config_from_hf(SMALL), None)
     mod = fuse(define(loaded, load_quant("q0f32"), target), target)
-    ours = {gv.name_hint for gv, f in mod.functions_items()
+    ours = {gv.name_hint: f for gv, f in mod.functions_items()
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and str(f.attrs.get("mlp.kernel")) == "cpu_attention"}
-    assert ours == set(ca.REPLACEMENTS)
+    assert set(ours) == set(ca.REPLACEMENTS)
+    # the decode kernel prefetches the next page on x86 only (the android-* system-lib builds cannot take it)
+    from pipeline.cpu_schedule import _has_avx2
+
+    assert ("llvm.prefetch" in ours["batch_decode_paged_kv_cpu"].script()) == _has_avx2(target.tvm())
+    phone = load_target("android-cpu")
+    decode = next(f for gv, f in fuse(define(loaded, load_quant("q0f32"), phone), phone).functions_items()
+                  if gv.name_hint == "batch_decode_paged_kv_cpu")
+    assert str(decode.attrs.get("mlp.kernel")) == "cpu_attention" and "llvm.prefetch" not in decode.script()
 
 
 def test_vector_exp2_is_accurate():
