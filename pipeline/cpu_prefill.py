@@ -99,6 +99,10 @@ def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot
 
 
 VNNI_ROWS = 4      # prompt rows per register tile of the byte kernel (x 2 vectors x hi/lo: 16 int32 sums)
+# int32 lanes of the byte kernel's vectors: 512-bit (AVX-512 VNNI has that form wherever it has the 256-bit one).
+# Zen 5 runs them at full width: 1.6-1.9x the 256-bit kernel per matmul on SmolLM2's and the 0.32B model's shapes,
+# SmolLM2 q4f16 prefill-128 1.56x side by side (bit-identical); Zen 4 splits them in two halves (no loss).
+WIDE_LANES = 16
 
 
 def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = VNNI_ROWS):
@@ -115,42 +119,44 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
     sign bits, 1 otherwise)."""
     from .cpu_gemv import VNNI_Q_MAX, quad_bytes, quad_low_bytes
 
-    vecs = 2 if n % (2 * LANES) == 0 else 1
-    tile = vecs * LANES
+    lanes = WIDE_LANES if n % WIDE_LANES == 0 else LANES
+    vecs = 2 if n % (2 * lanes) == 0 else 1
+    tile = vecs * lanes
     bits, group, codes = spec.bits, spec.group, spec.codes
     shifts = codes // 4
     words, groups = k // codes, -(-k // group)
     quads_n = words * shifts
     mask = ((1 << bits) - 1) * 0x01010101
     i64 = T.int64
-    vf, vi, vb = f"float32x{LANES}", f"int32x{LANES}", f"int8x{4 * LANES}"
+    vf, vi, vb = f"float32x{lanes}", f"int32x{lanes}", f"int8x{4 * lanes}"
+    dot = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
     m = tirx.Var("seq_len", "int64")
 
     @T.macro
     def row_block(xq, d, off, s, out, wq, iacc, facc, first, count, col):
         """Rows first .. first + count - 1 (count a Python int) over the task's unpacked codes."""
         for j in T.unroll(count * vecs):
-            facc[j] = T.Broadcast(T.float32(0), LANES)
+            facc[j] = T.Broadcast(T.float32(0), lanes)
         for g in range(groups):
             for j in T.unroll(2 * count * vecs):
-                iacc[j] = T.Broadcast(0, LANES)
+                iacc[j] = T.Broadcast(0, lanes)
             for qd in range(T.min(group, k - g * group) // 4):
                 for r in T.unroll(count):
                     for h in T.unroll(2):
                         for j in T.unroll(vecs):
                             iacc[(r * 2 + h) * vecs + j] = T.call_llvm_pure_intrin(
-                                vi, "llvm.x86.avx512.vpdpbusd.256", iacc[(r * 2 + h) * vecs + j],
-                                T.reinterpret(vb, wq[g * group // 4 + qd, T.Ramp(j * LANES, 1, LANES)]),
-                                T.reinterpret(vb, T.Broadcast(xq[first + r, h, g * group // 4 + qd], LANES)))
+                                vi, dot, iacc[(r * 2 + h) * vecs + j],
+                                T.reinterpret(vb, wq[g * group // 4 + qd, T.Ramp(j * lanes, 1, lanes)]),
+                                T.reinterpret(vb, T.Broadcast(xq[first + r, h, g * group // 4 + qd], lanes)))
             for r in T.unroll(count):
                 for j in T.unroll(vecs):
-                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (
-                        T.Broadcast(d[first + r, g], LANES) * T.Cast(
-                            vf, (iacc[r * 2 * vecs + j] * T.Broadcast(256, LANES) + iacc[(r * 2 + 1) * vecs + j])
-                            * T.Broadcast(spec.step, LANES) - T.Broadcast(off[first + r, g], LANES)))
+                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, s[g, T.Ramp(col + j * lanes, 1, lanes)]) * (
+                        T.Broadcast(d[first + r, g], lanes) * T.Cast(
+                            vf, (iacc[r * 2 * vecs + j] * T.Broadcast(256, lanes) + iacc[(r * 2 + 1) * vecs + j])
+                            * T.Broadcast(spec.step, lanes) - T.Broadcast(off[first + r, g], lanes)))
         for r in T.unroll(count):
             for j in T.unroll(vecs):
-                out[0, first + r, T.Ramp(col + j * LANES, 1, LANES)] = facc[r * vecs + j]
+                out[0, first + r, T.Ramp(col + j * lanes, 1, lanes)] = facc[r * vecs + j]
 
     @T.prim_func(private=True)
     def matmul(w: T.Buffer((i64(words), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),

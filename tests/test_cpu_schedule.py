@@ -411,15 +411,17 @@ def test_runtime_uses_every_cpu_by_default():
 
 
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product prefill needs AVX-512 VNNI; this CPU has none")
-@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("t2", 192, 48), ("t2", 576, 16),
-                                     ("b1", 192, 48), ("b1", 576, 16)])
+@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("q4", 96, 96), ("t2", 192, 48),
+                                     ("t2", 576, 16), ("t2", 192, 64), ("b1", 192, 48), ("b1", 576, 16)])
 def test_prefill_takes_byte_dot_products_with_vnni(fmt, k, n):
     """With AVX-512 VNNI a prompt times KN q4 / t2 codes is the vpdpbusd kernel (x per row and group in two
     bytes, rows 4 at a time, the rest one at a time): within 2e-4 of the fp32 TE's largest output (measured
-    ~2e-5, x's int16 rounding), for row counts below, at and past the register tile; q8 keeps the fp32 one."""
+    ~2e-5, x's int16 rounding), for row counts below, at and past the register tile; q8 keeps the fp32 one.
+    512-bit vectors when 16 divides N (one or two per task), else 256-bit."""
     func = _prompt_matmul(fmt, k, n, relax_order=True)
     sch = CPUInlineParallel().apply(func, HOST, False)
-    assert "vpdpbusd" in sch.mod["main"].script()
+    text = sch.mod["main"].script()
+    assert ("vpdpbusd.512" in text) == (n % 16 == 0) and ("vpdpbusd.256" in text) == (n % 16 != 0)
     for n_rows in (1, 4, 7, 33):
         want = _run(func, n_rows)
         np.testing.assert_allclose(_run(sch.mod["main"], n_rows, HOST), want, rtol=0, atol=2e-4 * np.abs(want).max())
