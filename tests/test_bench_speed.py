@@ -215,3 +215,38 @@ def test_the_roofline_takes_the_best_bandwidth_probe_of_the_run():
            "phones": {}, "phone_bandwidth_share": 0.6, "phone_predictions": [], "goals": []}
     md = speed.markdown(res)
     assert "25.0 (start), 44.0 (after a), 40.0 (after b)" in md and "worst probe 57% of the best" in md
+
+
+def test_read_floor_kernel_reads_every_word_of_each_half():
+    """benchmarks/read_floor.py's read-only kernel: thread t XORs exactly the words of its half (in VEC-wide
+    vectors; a tail shorter than threads * VEC is left out), so none of the reads can be optimised away."""
+    import tvm
+
+    from benchmarks import read_floor
+
+    one, two = (tvm.compile(tvm.IRModule({"main": read_floor.read_kernel(2, k).with_attr("global_symbol", "main")}),
+                            target=tvm.target.Target({"kind": "llvm"}))["main"] for k in (1, 2))
+    rng = np.random.default_rng(0)
+    vec = read_floor.VEC
+
+    def halves(a):
+        per = len(a) // (2 * vec)
+        return [np.bitwise_xor.reduce(a[t * per * vec:(t + 1) * per * vec].reshape(per, vec), axis=0) for t in (0, 1)]
+
+    for n, m in ((32, 64), (4096 + 7, 96 + 5)):
+        a, b = (rng.integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32) for size in (n, m))
+        out = tvm.runtime.tensor(np.zeros((2, vec), np.uint32))
+        one(tvm.runtime.tensor(a), out)
+        np.testing.assert_array_equal(out.numpy(), np.stack(halves(a)))
+        two(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+        np.testing.assert_array_equal(out.numpy(), np.stack(halves(a)) ^ np.stack(halves(b)))
+
+
+def test_read_floor_counts_what_a_decode_reads():
+    """A tied embedding is the lm_head (read whole); an untied one is only gathered (left out)."""
+    from benchmarks.read_floor import decode_weights
+
+    tied = ["model.embed_tokens.q_weight", "model.embed_tokens.q_scale", "model.layers.0.mlp.down_proj.q_weight"]
+    assert decode_weights(tied) == tied
+    untied = [*tied, "lm_head.q_weight", "lm_head.q_scale"]
+    assert decode_weights(untied) == untied[2:]
