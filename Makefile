@@ -27,7 +27,7 @@ RELEASE_OUT ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed llamacpp release release-matrix
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor llamacpp release release-matrix
 
 setup: $(STAMP)
 
@@ -123,6 +123,12 @@ bench-quality: llamacpp
 bench-speed: llamacpp
 	@$(PY) -c "import sentencepiece" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/speed.py $(BENCH_ARGS)
+
+# The decode step's weights read with nothing else in it, vs a bulk read and the bundle's own decode
+# (benchmarks/read_floor.py; a host-cpu bundle, e.g. from `make run`).
+BUNDLE ?= dist/$(MODEL)-$(RUN_QUANT)-host-cpu
+bench-read-floor: $(STAMP)
+	$(PY) benchmarks/read_floor.py $(BUNDLE)
 
 clean:
 	rm -rf .cache dist/*/
