@@ -44,18 +44,6 @@ LOG2E = math.log2(math.e)
 NEG = -5e4     # TVM's "minus infinity" for the running max
 
 
-@T.macro
-def _tile_scores(part: T.Buffer, sc: T.Buffer, st: T.Buffer, t: T.int32, n_keys: T.int32):
-    """Sum each key's LANES partial products into its score; st[2] = the tile's largest valid score."""
-    st[2] = T.float32(NEG)
-    for jj in range(TILE):
-        sc[jj] = part[jj * LANES]
-        for lane in range(1, LANES):
-            sc[jj] = sc[jj] + part[jj * LANES + lane]
-        if t * TILE + jj < n_keys:
-            st[2] = T.max(st[2], sc[jj])
-
-
 LN2 = math.log(2.0)
 
 
@@ -73,52 +61,6 @@ def _exp2(x):
     return p * scale
 
 
-@T.macro
-def _tile_softmax(acc: T.Buffer, sc: T.Buffer, st: T.Buffer, t: T.int32, n_keys: T.int32, d_v: T.int32):
-    """Online softmax step: rescale the running output and sum once if the max grew, then turn the tile's
-    scores into weights 2^(s - max) (added to the running sum)."""
-    if st[2] > st[0]:
-        st[1] = st[1] * T.exp2(st[0] - st[2])
-        for i in T.vectorized(d_v):
-            acc[i] = acc[i] * T.exp2(st[0] - st[2])
-        st[0] = st[2]
-    for jj in T.vectorized(TILE):
-        sc[jj] = T.Select(t * TILE + jj < n_keys, _exp2(sc[jj] - st[0]), T.float32(0))
-    for jj in range(TILE):
-        st[1] = st[1] + sc[jj]
-
-
-@T.macro
-def _paged_keys(acc: T.Buffer, qv: T.Buffer, sc: T.Buffer, part: T.Buffer, st: T.Buffer, pages: T.Buffer,
-                page_values: T.Buffer, first: T.int32, n_keys: T.int32, kv_head: T.int32, page_size: T.int32,
-                d: T.int32):
-    """The online-softmax walk over a sequence's first n_keys cached keys, TILE at a time: `pages` are
-    [page, K|V, head, slot, dim] and the sequence's pages are page_values[first:]. Leaves the unnormalised
-    output in acc and (max, sum) in st."""
-    for i in T.vectorized(d):
-        acc[i] = T.float32(0)
-    st[0] = T.float32(NEG)
-    st[1] = T.float32(1)
-    for t in range((n_keys + TILE - 1) // TILE):
-        for x in T.vectorized(TILE * LANES):
-            part[x] = T.float32(0)
-        for c in range(d // LANES):
-            for jj in T.unroll(TILE):
-                for lane in T.vectorized(LANES):
-                    part[jj * LANES + lane] = part[jj * LANES + lane] + qv[c * LANES + lane] * T.Cast(
-                        "float32", pages[page_values[first + T.min(t * TILE + jj, n_keys - 1) // page_size],
-                                         0, kv_head, T.min(t * TILE + jj, n_keys - 1) % page_size,
-                                         c * LANES + lane])
-        _tile_scores(part, sc, st, t, n_keys)
-        _tile_softmax(acc, sc, st, t, n_keys, d)
-        for jj in range(TILE):
-            if t * TILE + jj < n_keys:
-                for i in T.vectorized(d):
-                    acc[i] = acc[i] + sc[jj] * T.Cast(
-                        "float32", pages[page_values[first + (t * TILE + jj) // page_size], 1, kv_head,
-                                         (t * TILE + jj) % page_size, i])
-
-
 PREFILL_ROWS = 2    # query rows per task of the ragged prefill kernel
 
 
@@ -133,6 +75,30 @@ def _lane_sums(part: T.Buffer, base):
     v = [_pair_sums(v[2 * i], v[2 * i + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]) for i in range(4)]
     v = [_pair_sums(v[2 * i], v[2 * i + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]) for i in range(2)]
     return _pair_sums(v[0], v[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+
+@T.macro
+def _softmax_step(part: T.Buffer, sc: T.Buffer, st: T.Buffer, acc: T.Buffer, i: int, t: T.int32, n_valid: T.int32,
+                  d_v: int):
+    """Online softmax over key tile t for row i of a block (a query row, or a query head of a GQA group): its
+    TILE scores from their LANES partial sums in `part` (`_lane_sums`), the running output acc[i] and sum
+    rescaled once if the running max grew, then the scores turned into weights 2^(s - max) (keys at or past
+    n_valid weigh 0) and added to the sum. st holds (running max, running sum, tile max) per row."""
+    for g in T.unroll(TILE // LANES):
+        sc[T.Ramp(i * TILE + g * LANES, 1, LANES)] = _lane_sums(part, (i * TILE + g * LANES) * LANES)
+    st[i * 3 + 2] = T.float32(NEG)
+    for jj in range(TILE):
+        if t * TILE + jj < n_valid:
+            st[i * 3 + 2] = T.max(st[i * 3 + 2], sc[i * TILE + jj])
+    if st[i * 3 + 2] > st[i * 3]:
+        st[i * 3 + 1] = st[i * 3 + 1] * T.exp2(st[i * 3] - st[i * 3 + 2])
+        for x in T.vectorized(d_v):
+            acc[i * d_v + x] = acc[i * d_v + x] * T.exp2(st[i * 3] - st[i * 3 + 2])
+        st[i * 3] = st[i * 3 + 2]
+    for jj in T.vectorized(TILE):
+        sc[i * TILE + jj] = T.Select(t * TILE + jj < n_valid, _exp2(sc[i * TILE + jj] - st[i * 3]), T.float32(0))
+    for jj in range(TILE):
+        st[i * 3 + 1] = st[i * 3 + 1] + sc[i * TILE + jj]
 
 
 def _ragged_kv(k: T.Buffer, v: T.Buffer, kv0, head, which: int, key, c):
@@ -182,21 +148,7 @@ def _row_block(q: T.Buffer, q0: T.int32, q_n: T.int32, first: T.int32, h: T.int3
             for i in T.unroll(rows):
                 part[T.Ramp((i * TILE + jj) * LANES, 1, LANES)] = pv[i]
         for i in T.unroll(rows):
-            for g in T.unroll(TILE // LANES):
-                sc[T.Ramp(i * TILE + g * LANES, 1, LANES)] = _lane_sums(part, (i * TILE + g * LANES) * LANES)
-            st[i * 3 + 2] = T.float32(NEG)
-            for jj in range(TILE):
-                if t * TILE + jj < nk[i]:
-                    st[i * 3 + 2] = T.max(st[i * 3 + 2], sc[i * TILE + jj])
-            if st[i * 3 + 2] > st[i * 3]:
-                st[i * 3 + 1] = st[i * 3 + 1] * T.exp2(st[i * 3] - st[i * 3 + 2])
-                for x in T.vectorized(d_v):
-                    acc[i * d_v + x] = acc[i * d_v + x] * T.exp2(st[i * 3] - st[i * 3 + 2])
-                st[i * 3] = st[i * 3 + 2]
-            for jj in T.vectorized(TILE):
-                sc[i * TILE + jj] = T.Select(t * TILE + jj < nk[i], _exp2(sc[i * TILE + jj] - st[i * 3]), T.float32(0))
-            for jj in range(TILE):
-                st[i * 3 + 1] = st[i * 3 + 1] + sc[i * TILE + jj]
+            _softmax_step(part, sc, st, acc, i, t, nk[i], d_v)
         for jj in range(TILE):
             if t * TILE + jj < n_keys:
                 for c in T.unroll(d_v // LANES):
@@ -300,21 +252,7 @@ def _gqa_decode_part(q: T.Buffer, pages: T.Buffer, page_values: T.Buffer, b: T.i
             for i in T.unroll(group):
                 part[T.Ramp((i * TILE + jj) * LANES, 1, LANES)] = pv[i]
         for i in T.unroll(group):
-            for g in T.unroll(TILE // LANES):
-                sc[T.Ramp(i * TILE + g * LANES, 1, LANES)] = _lane_sums(part, (i * TILE + g * LANES) * LANES)
-            st[i * 3 + 2] = T.float32(NEG)
-            for jj in range(TILE):
-                if t * TILE + jj < n_keys:
-                    st[i * 3 + 2] = T.max(st[i * 3 + 2], sc[i * TILE + jj])
-            if st[i * 3 + 2] > st[i * 3]:
-                st[i * 3 + 1] = st[i * 3 + 1] * T.exp2(st[i * 3] - st[i * 3 + 2])
-                for x in T.vectorized(d):
-                    acc[i * d + x] = acc[i * d + x] * T.exp2(st[i * 3] - st[i * 3 + 2])
-                st[i * 3] = st[i * 3 + 2]
-            for jj in T.vectorized(TILE):
-                sc[i * TILE + jj] = T.Select(t * TILE + jj < n_keys, _exp2(sc[i * TILE + jj] - st[i * 3]), T.float32(0))
-            for jj in range(TILE):
-                st[i * 3 + 1] = st[i * 3 + 1] + sc[i * TILE + jj]
+            _softmax_step(part, sc, st, acc, i, t, n_keys, d)
         for jj in range(T.min(TILE, n_keys - t * TILE)):
             for c in T.unroll(d // LANES):
                 for i in T.unroll(group):
