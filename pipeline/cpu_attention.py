@@ -38,6 +38,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .cpu_gemv import prefetch_line
+
 TILE = 16      # keys per online-softmax step
 LANES = 8      # fp32 lanes of an AVX2 / 2x NEON register: partial sums of a dot product
 LOG2E = math.log2(math.e)
@@ -241,8 +243,7 @@ def _gqa_decode_part(q: T.Buffer, pages: T.Buffer, page_values: T.Buffer, b: T.i
             if prefetch and t + 1 < t1:
                 for which in T.unroll(2):
                     for line in T.unroll(d // 16):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                            pages[ahead, which, kv_head, jj, line * 16]), T.int32(0), T.int32(3), T.int32(1)))
+                        T.evaluate(prefetch_line(pages[ahead, which, kv_head, jj, line * 16]))
             for i in T.unroll(group):
                 pv[i] = T.Broadcast(T.float32(0), LANES)
             for c in T.unroll(d // LANES):
@@ -320,27 +321,28 @@ def paged_decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16, s
                              T.min(t0 + per, n_pages), sm_scale, part_acc, part_st, task, group, d, prefetch)
         for row in range(B * h_q):      # merge the parts' states: a few hundred multiply-adds per head
             stat = T.decl_buffer((2,), "float32")   # max, then the sum of 2^(max_p - max) * sum_p
-            base: T.let[T.int32] = row // h_q * h_kv * splits + row % h_q // group * splits
+            merged = T.decl_buffer((d,), "float32")
+            b: T.let[T.int32] = row // h_q
+            h: T.let[T.int32] = row % h_q
+            i: T.let[T.int32] = h % group            # the head's place in its KV head's group
+            base: T.let[T.int32] = b * h_kv * splits + h // group * splits
             stat[0] = T.float32(NEG)
             for p in range(splits):
-                if part_st[base + p, row % h_q % group, 1] > T.float32(0):
-                    stat[0] = T.max(stat[0], part_st[base + p, row % h_q % group, 0])
+                if part_st[base + p, i, 1] > T.float32(0):
+                    stat[0] = T.max(stat[0], part_st[base + p, i, 0])
             stat[1] = T.float32(0)
             for p in range(splits):
-                stat[1] = stat[1] + part_st[base + p, row % h_q % group, 1] * T.exp2(
-                    part_st[base + p, row % h_q % group, 0] - stat[0])
-            merged = T.decl_buffer((d,), "float32")
+                stat[1] = stat[1] + part_st[base + p, i, 1] * T.exp2(part_st[base + p, i, 0] - stat[0])
             for x in T.vectorized(d):
                 merged[x] = T.float32(0)
             for p in range(splits):
-                if part_st[base + p, row % h_q % group, 1] > T.float32(0):
+                if part_st[base + p, i, 1] > T.float32(0):
                     for x in T.vectorized(d):
-                        merged[x] = merged[x] + part_acc[base + p, row % h_q % group, x] * (
-                            T.exp2(part_st[base + p, row % h_q % group, 0] - stat[0]) / stat[1])
+                        merged[x] = merged[x] + part_acc[base + p, i, x] * (
+                            T.exp2(part_st[base + p, i, 0] - stat[0]) / stat[1])
             for x in T.vectorized(d):
-                output[row // h_q, row % h_q, x] = T.Cast(dtype, merged[x])
-            lse[row // h_q, row % h_q] = T.if_then_else(stat[1] > T.float32(0), stat[0] + T.log2(stat[1]),
-                                                        T.float32(NEG))
+                output[b, h, x] = T.Cast(dtype, merged[x])
+            lse[b, h] = T.if_then_else(stat[1] > T.float32(0), stat[0] + T.log2(stat[1]), T.float32(NEG))
 
     return batch_decode_paged_kv
 
