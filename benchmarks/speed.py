@@ -261,9 +261,11 @@ def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, d
     load_s = time.perf_counter() - t0
     first, longer = prefill[0], prefill[1:]
     engine.reset()
-    vocab = int(engine.prefill([100, 101]).shape[-1])    # warm-up: the first call loads kernels lazily
+    vocab = int(engine.prefill([100, 101]).shape[-1])    # the vocabulary size, for the prompt's ids
     ids = prompt_ids(max(prefill), vocab, seed)
-    engine.decode(ids[0])
+    engine.reset()                                       # warm-up at the measured length, as llama-bench's
+    engine.prefill(ids[:first])                          # own warm-up run: kernels load lazily, workspaces
+    engine.decode(ids[0])                                # grow to the prompt's size on first use
     out: dict[str, Any] = {"load_s": load_s, "ttft_s": [], "decode_tok_s": [],
                            "prefill_tok_s": {str(n): [] for n in prefill}}
     for _ in range(reps):
