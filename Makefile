@@ -27,7 +27,7 @@ RELEASE_OUT ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor llamacpp release release-matrix
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile llamacpp release release-matrix
 
 setup: $(STAMP)
 
@@ -129,6 +129,10 @@ bench-speed: llamacpp
 BUNDLE ?= dist/$(MODEL)-$(RUN_QUANT)-host-cpu
 bench-read-floor: $(STAMP)
 	$(PY) benchmarks/read_floor.py $(BUNDLE)
+
+# Where the decode step's time goes, per kernel and per thread, from Linux perf samples (benchmarks/decode_profile.py).
+bench-decode-profile: $(STAMP)
+	$(PY) benchmarks/decode_profile.py $(BUNDLE) $(PROFILE_ARGS)
 
 clean:
 	rm -rf .cache dist/*/
