@@ -39,6 +39,8 @@ SAMPLE_HZ = 4999
 PARTS = (("[kernel", "kernel mode (pool waits)"), ("libtvm_runtime", "TVM VM / runtime"),
          ("libtvm_ffi", "TVM VM / runtime"), ("libpython", "Python"), ("_multiarray", "Python"),
          ("core.cpython", "Python"), ("libc.so", "libc"), ("libm.so", "libc"))
+# a thread's parts in report order: the model library's kernels, the PARTS, anything else
+THREAD_PARTS = ("kernels", *dict.fromkeys(part for _, part in PARTS), "other")
 
 
 def child(bundle: str, ctx: int, seconds: float, ctl: str, ack: str) -> None:
@@ -48,11 +50,12 @@ def child(bundle: str, ctx: int, seconds: float, ctl: str, ack: str) -> None:
     enter_runtime_process()
     import numpy as np
 
+    from benchmarks.speed import prompt_ids
     from pipeline.runner import Bundle
 
-    engine = Bundle(bundle).engine()
-    vocab = int(engine.prefill([100, 101]).shape[-1])
-    ids = np.random.default_rng(0).integers(100, vocab, size=ctx).tolist()
+    loaded = Bundle(bundle)
+    engine = loaded.engine()
+    ids = prompt_ids(ctx, int(loaded.config["vocab_size"]), seed=0)
     with open(ctl, "w") as control, open(ack) as acked:
         def perf_says(cmd: str) -> None:
             control.write(cmd + "\n")
@@ -102,20 +105,18 @@ def perf_rows(data: Path, sort: str) -> list[tuple[float, str, str]]:
     return parse_perf_report(text)
 
 
-def analyse(by_dso: list[tuple[float, str, str]], by_symbol: list[tuple[float, str, str]],
-            symbols: tuple[list[int], list[str]], coverage: dict, lib_name: str, main_tid: str,
-            ms_per_token: float) -> dict:
-    """Shares of the step per thread part and per kernel, from `perf report` rows by (thread, dso) and by
-    (thread, dso, symbol); `symbols`: the library's (sorted addresses, names) for perf's bare addresses."""
+def analyse(by_symbol: list[tuple[float, str, str]], symbols: tuple[list[int], list[str]], coverage: dict,
+            lib_name: str, main_tid: str, ms_per_token: float) -> dict:
+    """Shares of the step per thread part and per kernel, from `perf report` rows by (thread, dso, symbol);
+    `symbols`: the library's (sorted addresses, names) for perf's bare addresses."""
     step_bytes = {k["name"]: k["decode_step"]["bytes"] for k in coverage["kernels"] if k["decode_step"]["calls"]}
     calls = {k["name"]: k["decode_step"]["calls"] for k in coverage["kernels"] if k["decode_step"]["calls"]}
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for pct, tid, dso in by_dso:
-        part = "kernels" if dso == lib_name else next((p for key, p in PARTS if key in dso), "other")
-        threads[tid][part] += pct
     addrs, names = symbols
     per_kernel: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for pct, tid, rest in by_symbol:
+        dso = rest.split()[0]
+        threads[tid]["kernels" if dso == lib_name else next((p for key, p in PARTS if key in dso), "other")] += pct
         m = re.match(r"(\S+)\s+\[\.\]\s+(\S+)", rest)
         if not m or m[1] != lib_name:
             continue
@@ -148,12 +149,10 @@ def report(res: dict, bandwidth_gbs: float | None) -> str:
     lines = [f"decode step {res['ms_per_token']:.3f} ms under perf; bytes per token "
              f"{res['bytes_per_token'] / 1e6:.1f} MB -> {res['bytes_per_token'] / res['ms_per_token'] / 1e6:.1f} GB/s"
              + (f" ({res['bytes_per_token'] / res['ms_per_token'] / 1e6 / bandwidth_gbs:.0%} of {bandwidth_gbs:.1f})"
-                if bandwidth_gbs else ""), "", "| thread | " + " | ".join(
-                    p for p in ("kernels", "kernel mode (pool waits)", "TVM VM / runtime", "Python", "libc", "other"))
-             + " |", "|---|---:|---:|---:|---:|---:|---:|"]
+                if bandwidth_gbs else ""), "", "| thread | " + " | ".join(THREAD_PARTS) + " |",
+             "|---|" + "---:|" * len(THREAD_PARTS)]
     for tid, parts in res["threads"].items():
-        lines.append(f"| {tid} | " + " | ".join(f"{parts.get(p, 0):.0%}" for p in (
-            "kernels", "kernel mode (pool waits)", "TVM VM / runtime", "Python", "libc", "other")) + " |")
+        lines.append(f"| {tid} | " + " | ".join(f"{parts.get(p, 0):.0%}" for p in THREAD_PARTS) + " |")
     lines += ["", "| kernel | share of step | us per call | calls / token | MB / token | GB/s |",
               "|---|---:|---:|---:|---:|---:|"]
     kern_total = 0.0
@@ -209,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         lib = args.bundle / json.loads((args.bundle / "mlc-chat-config.json").read_text())["model_lib"]
         coverage = json.loads((args.bundle / "reports" / "coverage.json").read_text())
-        res = analyse(perf_rows(data, "dso"), perf_rows(data, "dso,sym"), library_symbols(lib), coverage,
-                      lib.name, str(result["pid"]), result["ms_per_token"])
+        res = analyse(perf_rows(data, "dso,sym"), library_symbols(lib), coverage, lib.name, str(result["pid"]),
+                      result["ms_per_token"])
     res.update(bundle=str(args.bundle), ctx=args.ctx, tokens=result["tokens"])
     print(report(res, args.bandwidth))
     if args.json:

@@ -257,12 +257,11 @@ def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, d
     from pipeline.runner import Bundle
 
     t0 = time.perf_counter()
-    engine = Bundle(bundle).engine()
+    loaded = Bundle(bundle)
+    engine = loaded.engine()
     load_s = time.perf_counter() - t0
     first, longer = prefill[0], prefill[1:]
-    engine.reset()
-    vocab = int(engine.prefill([100, 101]).shape[-1])    # the vocabulary size, for the prompt's ids
-    ids = prompt_ids(max(prefill), vocab, seed)
+    ids = prompt_ids(max(prefill), int(loaded.config["vocab_size"]), seed)
     engine.reset()                                       # warm-up at the measured length, as llama-bench's
     engine.prefill(ids[:first])                          # own warm-up run: kernels load lazily, workspaces
     engine.decode(ids[0])                                # grow to the prompt's size on first use

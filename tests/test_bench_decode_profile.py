@@ -8,22 +8,16 @@ from benchmarks import decode_profile as dp
 
 LIB = "model.so"
 
-BY_DSO = """
-# Overhead  Pid:Command  Shared Object
-    30.00%       100:python   model.so
-    10.00%       100:python   [kernel.kallsyms]
-     6.00%       100:python   libtvm_runtime.so
-     4.00%       100:python   libpython3.11.so.1.0
-    28.00%       101:python   model.so
-    22.00%       101:python   [kernel.kallsyms]
-"""
-
-BY_SYMBOL = """
+REPORT = """
+# Overhead  Pid:Command  Shared Object  Symbol
     20.00%       100:python   model.so   [.] gemv_a_compute_
     10.00%       100:python   model.so   [.] 0x0000000000000150
+    10.00%       100:python   [kernel.kallsyms]   [k] __schedule
+     6.00%       100:python   libtvm_runtime.so   [.] 0x00000000000f2581
+     4.00%       100:python   libpython3.11.so.1.0   [.] _PyEval_EvalFrameDefault
     14.00%       101:python   model.so   [.] gemv_a_compute_
     14.00%       101:python   model.so   [.] 0x0000000000000110
-    10.00%       100:python   [kernel.kallsyms]   [k] __schedule
+    22.00%       101:python   [kernel.kallsyms]   [k] __schedule
 """
 
 COVERAGE = {"summary": {"decode_step": {"total": {"bytes": 2_000_000}}},
@@ -35,9 +29,9 @@ SYMBOLS = ([0x100, 0x200], ["__tvm_ffi_attn", "other_compute_"])
 
 
 def test_parses_perf_rows_per_thread():
-    rows = dp.parse_perf_report(BY_DSO)
-    assert rows[0] == (30.0, "100", "model.so")
-    assert [r[1] for r in rows] == ["100"] * 4 + ["101"] * 2
+    rows = dp.parse_perf_report(REPORT)
+    assert rows[0] == (20.0, "100", "model.so   [.] gemv_a_compute_")
+    assert [r[1] for r in rows] == ["100"] * 5 + ["101"] * 3
 
 
 def test_kernel_names_match_the_coverage_report():
@@ -46,8 +40,7 @@ def test_kernel_names_match_the_coverage_report():
 
 
 def test_shares_are_of_the_main_threads_wall_and_bytes_become_gb_s():
-    res = dp.analyse(dp.parse_perf_report(BY_DSO), dp.parse_perf_report(BY_SYMBOL), SYMBOLS, COVERAGE, LIB,
-                     main_tid="100", ms_per_token=2.0)
+    res = dp.analyse(dp.parse_perf_report(REPORT), SYMBOLS, COVERAGE, LIB, main_tid="100", ms_per_token=2.0)
     main = res["threads"]["main"]
     assert main["kernels"] == pytest.approx(0.6)                 # 30 of the main thread's 50
     assert main["kernel mode (pool waits)"] == pytest.approx(0.2)
@@ -67,7 +60,7 @@ def test_shares_are_of_the_main_threads_wall_and_bytes_become_gb_s():
 
 def test_missing_main_thread_is_an_error():
     with pytest.raises(ValueError, match="main thread"):
-        dp.analyse(dp.parse_perf_report(BY_DSO), [], SYMBOLS, COVERAGE, LIB, main_tid="999", ms_per_token=1.0)
+        dp.analyse(dp.parse_perf_report(REPORT), SYMBOLS, COVERAGE, LIB, main_tid="999", ms_per_token=1.0)
 
 
 def test_without_perf_it_says_what_to_install(monkeypatch, tmp_path, capsys):
