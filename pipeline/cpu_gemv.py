@@ -698,3 +698,102 @@ def _add_group(partial: T.Buffer, row: T.int32, col: T.int32, s: T.Buffer, g: T.
     partial[row, T.Ramp(col, 1, LANES)] = partial[row, T.Ramp(col, 1, LANES)] + T.Cast(
         _FLOATS, s[g, T.Ramp(col, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
         _FLOATS, T.Shuffle([first, second], halves))
+
+
+# ----------------------------------------------------------------------------- float weights (q0f16 / q0f32)
+
+FLOAT_NT_ROWS = 4        # output rows per step: 4 weight rows read side by side, 2 FMA chains each
+FLOAT_NT_CHAINS = 2
+FLOAT_NT_AHEAD = 8       # rows: each step prefetches the same columns of the rows this far ahead
+_NT_CAST = re.compile(r'^\s*(\w+)\[(\w+), (\w+)\] = (?:T\.Cast\("float32", )?(\w+)\[\2, \3\]\)?$', re.M)  # or a copy
+_NT_MATMUL = re.compile(r'(\w+)\[(\w+), (\w+), (\w+)\] = \1\[\2, \3, \4\] \+ (\w+)\[\2, \3, (\w+)\] \* (\w+)\[\4, \6\]')
+
+
+def match_float_nt_gemv(func: tirx.PrimFunc, text: str | None = None, min_work: int = 0
+                        ) -> tuple[int, int, str, tuple[str, ...]] | None:
+    """(N, K, weight dtype, each parameter's role) when `func` is exactly a one-token NT matmul of float
+    weights, out[0, 0, n] = sum_k x[0, 0, k] * float32(w[n, k]), the widening in its own block or none
+    (q0f16 / q0f32 decode as relax fuses it: x float32 [1, 1, K], w float16 / float32 [N, K], out float32
+    [1, 1, N], out last) of at least `min_work` multiply-adds; None for anything else (a bias or residual
+    epilogue included)."""
+    text = text if text is not None else func.script()
+    blocks = [b for b in re.findall(r'T\.sblock\("(\w+)"\)', text) if b != "root"]
+    matmul = _NT_MATMUL.findall(text)
+    if len(blocks) not in (1, 2) or len(matmul) != 1 or 'T.axis.remap("SSSR"' not in text or "T.init()" not in text:
+        return None
+    out_name, *_, x_name, _, w_name = matmul[0]
+    params = list(func.params)
+    if len(params) != 3 or any(not all(isinstance(d, tirx.IntImm) for d in p.shape) for p in params):
+        return None
+    names = [p.name for p in params]
+    if len(blocks) == 2:   # the widening block: w_name is its output, cast from a parameter
+        cast = _NT_CAST.findall(text)
+        if len(cast) != 1 or cast[0][0] != w_name:
+            return None
+        w_name = cast[0][3]
+    if sorted(names[:2]) != sorted([x_name, w_name]) or "_intermediate" not in out_name and out_name != names[2]:
+        return None
+    shapes = {p.name: tuple(int(d) for d in p.shape) for p in params}
+    dtypes = {p.name: str(p.dtype) for p in params}
+    out_shape, (n, k) = shapes[names[2]], (shapes[w_name] if len(shapes[w_name]) == 2 else (0, 0))
+    if (dtypes[x_name], dtypes[names[2]]) != ("float32", "float32") or dtypes[w_name] not in ("float16", "float32"):
+        return None
+    if shapes[x_name] != (1, 1, k) or out_shape != (1, 1, n) or n * k < min_work:
+        return None
+    if n % FLOAT_NT_ROWS or k % (FLOAT_NT_CHAINS * LANES):
+        return None
+    return n, k, dtypes[w_name], tuple("x" if nm == x_name else "w" for nm in names[:2]) + ("out",)
+
+
+def float_nt_gemv(n: int, k: int, weight_dtype: str = "float16") -> tirx.PrimFunc:
+    """out[1, 1, n] = x[1, 1, k] @ w[n, k]^T with w widened to fp32 in registers. The dlight-style schedule
+    (K in 16 partial sums by rfactor) streamed SmolLM2's f16 weights at 23-38 GB/s of the machine's ~47:
+    NT rows are short (1-3 KB), so the hardware prefetchers kept restarting. Here 4 rows are read side by
+    side into 8 register accumulators, and each step prefetches the same columns FLOAT_NT_AHEAD rows ahead:
+    1.2-1.8x on those shapes with 160 MB of distinct weights (none from the L3). The tasks are blocks of 4
+    rows, which TVM's pool hands out as one contiguous range per thread."""
+    rows, chains, ahead = FLOAT_NT_ROWS, FLOAT_NT_CHAINS, FLOAT_NT_AHEAD
+    step, blocks = LANES * chains, n // rows
+    i64 = T.int64
+    vf = f"float32x{LANES}"
+
+    @T.prim_func(private=True)
+    def gemv(x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), w: T.Buffer((i64(n), i64(k)), weight_dtype),
+             out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for b in T.parallel(blocks):
+            acc = T.alloc_buffer((rows * chains,), vf, scope="local")
+            lanes = T.alloc_buffer((LANES,), "float32", scope="local")
+            for j in T.unroll(rows * chains):
+                acc[j] = T.Broadcast(T.float32(0), LANES)
+            for ko in range(k // step):
+                for r in T.unroll(rows):
+                    T.evaluate(prefetch_line(w[T.min(b * rows + ahead + r, n - 1), ko * step]))
+                for c in T.unroll(chains):
+                    for r in T.unroll(rows):
+                        acc[r * chains + c] = acc[r * chains + c] + T.Cast(
+                            vf, w[b * rows + r, T.Ramp(ko * step + c * LANES, 1, LANES)]) * x[
+                            0, 0, T.Ramp(ko * step + c * LANES, 1, LANES)]
+            for r in T.unroll(rows):
+                for c in T.unroll(1, chains):
+                    acc[r * chains] = acc[r * chains] + acc[r * chains + c]
+                lanes[T.Ramp(0, 1, LANES)] = acc[r * chains]
+                out[0, 0, b * rows + r] = T.float32(0)
+                for j in T.unroll(LANES):
+                    out[0, 0, b * rows + r] = out[0, 0, b * rows + r] + lanes[j]
+
+    return gemv
+
+
+def float_nt_gemv_like(func: tirx.PrimFunc, text: str | None = None, min_work: int = 0) -> tirx.PrimFunc | None:
+    """`float_nt_gemv` with `func`'s parameter order and attributes, or None when `func` is not such a GEMV
+    (`match_float_nt_gemv`)."""
+    match = match_float_nt_gemv(func, text, min_work)
+    if match is None:
+        return None
+    n, k, weight_dtype, order = match
+    kernel = float_nt_gemv(n, k, weight_dtype)
+    roles = ("x", "w", "out")
+    params = [kernel.params[roles.index(role)] for role in order]
+    return (tirx.PrimFunc(params, kernel.body, kernel.ret_type, func.attrs).with_attr("tirx.noalias", True)
+            .with_attr(OP_CLASS_ATTR, "gemv"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
-from .cpu_gemv import build_threads, packed_kn_gemv_like
+from .cpu_gemv import build_threads, float_nt_gemv_like, packed_kn_gemv_like
 from .cpu_prefill import packed_kn_matmul_like
 
 
@@ -37,6 +37,9 @@ class CPUInlineParallel(ScheduleRule):
             if tiled is not None:
                 return tiled
         else:
+            kernel = float_nt_gemv_like(func, text, SERIAL_WORK)
+            if kernel is not None:    # decode q0f16 / q0f32 GEMV (one token, NT float weights): cpu_gemv.py
+                return s_tir.Schedule(kernel)
             try:
                 gemv = _float_gemv(func)
             except Exception:  # noqa: BLE001 - not a float GEMV this rule can split: the general path

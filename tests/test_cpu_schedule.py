@@ -121,16 +121,17 @@ def test_decode_keeps_the_unpack_in_registers():
     np.testing.assert_allclose(_run(sch.mod["main"], 1), _run(func, 1), rtol=1e-5, atol=1e-4)
 
 
-def _float_gemv_func(weight_dtype: str, k_last: bool = True, bias: bool = False):
+def _float_gemv_func(weight_dtype: str, k_last: bool = True, bias: bool = False, relax_order: bool = False):
     """One token times float weights: NT (W[n, k], read along K) or NN (W[k, n]), widened to fp32 in a
-    separate cast block (as q0f16 on a CPU target fuses it), optionally with a bias-add epilogue."""
+    separate cast block (as q0f16 on a CPU target fuses it), optionally with a bias-add epilogue;
+    `relax_order`: the weight first, as relax's fused functions take it."""
     x = te.placeholder((1, 1, K), "float32", name="x")
     w = te.placeholder((N, K) if k_last else (K, N), weight_dtype, name="w")
     wide = te.compute(w.shape, lambda a, b: w[a, b].astype("float32"), name="cast")
     k = te.reduce_axis((0, K), name="k")
     out = te.compute((1, 1, N), lambda b, i, j: te.sum(x[b, i, k] * (wide[j, k] if k_last else wide[k, j]), axis=k),
                      name="NT_matmul")
-    args = [x, w]
+    args = [w, x] if relax_order else [x, w]
     if bias:
         bvec = te.placeholder((N,), "float32", name="bias")
         out = te.compute((1, 1, N), lambda b, i, j: out[b, i, j] + bvec[j], name="add")
@@ -138,16 +139,42 @@ def _float_gemv_func(weight_dtype: str, k_last: bool = True, bias: bool = False)
     return te.create_prim_func([*args, out]).with_attr("global_symbol", "main")
 
 
+@pytest.mark.parametrize("weight_dtype,relax_order", [("float16", True), ("float16", False), ("float32", True)])
+def test_float_gemv_is_the_hand_written_kernel(weight_dtype, relax_order, monkeypatch):
+    """q0f16 / q0f32 decode GEMVs without an epilogue: cpu_gemv.float_nt_gemv (4 rows at a time, the rows
+    ahead prefetched), declared a gemv, with the function's own parameter order; same result as the
+    unscheduled function up to fp32 reassociation."""
+    import pipeline.cpu_schedule as cs
+
+    monkeypatch.setattr(cs, "SERIAL_WORK", 1)     # this test's 72 x 96 GEMV is below the fork-join size
+    func = _float_gemv_func(weight_dtype, relax_order=relax_order)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    text = sch.mod["main"].script()
+    assert "llvm.prefetch" in text and "T.parallel" in text and "sblock(" not in text.replace('sblock("root"', "")
+    assert [str(p.dtype) for p in sch.mod["main"].params] == [str(p.dtype) for p in func.params]
+    assert classify("fused_cast_NT_matmul", sch.mod["main"]) == "gemv"
+    np.testing.assert_allclose(_run(sch.mod["main"], 1), _run(func, 1), rtol=1e-5, atol=1e-4)
+
+
+def test_float_gemv_below_the_fork_join_size_is_left_to_the_schedules():
+    """A GEMV smaller than SERIAL_WORK multiply-adds is not worth two threads: not the hand-written kernel."""
+    from pipeline.cpu_gemv import match_float_nt_gemv
+
+    func = _float_gemv_func("float16")
+    assert match_float_nt_gemv(func, min_work=N * K + 1) is None
+    assert match_float_nt_gemv(func, min_work=N * K) == (N, K, "float16", ("x", "w", "out"))
+
+
 @pytest.mark.parametrize("weight_dtype,bias", [("float16", False), ("float32", False), ("float16", True)])
 def test_float_gemv_splits_k_into_vector_partial_sums(weight_dtype, bias, monkeypatch):
-    """q0f16 / q0f32 decode GEMVs: K split into FLOAT_LANES partial sums (rfactor), the weight's cast
-    inlined and a bias add done per output tile, same result as the unscheduled function (fp32
-    reassociation only)."""
+    """q0f16 / q0f32 decode GEMVs the hand-written kernel does not take (a bias-add epilogue; any, called
+    directly): K split into FLOAT_LANES partial sums (rfactor), the weight's cast inlined and a bias add done
+    per output tile, same result as the unscheduled function (fp32 reassociation only)."""
     import pipeline.cpu_schedule as cs
 
     monkeypatch.setattr(cs, "SERIAL_WORK", 1)     # this test's 72 x 96 GEMV is below the fork-join size
     func = _float_gemv_func(weight_dtype, bias=bias)
-    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
+    sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False) if bias else cs._float_gemv(func)
     text = sch.mod["main"].script()
     assert 'sblock("NT_matmul_rf' in text and "T.parallel" in text
     assert 'sblock("cast"' not in text
