@@ -125,7 +125,7 @@ def _row_block(q: T.Buffer, q0: T.int32, q_n: T.int32, first: T.int32, h: T.int3
     qv = T.decl_buffer((rows * d_qk,), "float32")
     sc = T.decl_buffer((rows * TILE,), "float32")
     part = T.decl_buffer((rows * TILE * LANES,), "float32")
-    pv = T.decl_buffer((rows,), f"float32x{LANES}", scope="local")
+    pv = T.decl_buffer((rows,), f"float32x{LANES}")
     st = T.decl_buffer((rows * 3,), "float32")   # per row: running max, running sum, tile max
     nk = T.decl_buffer((rows,), "int32")
     for i in T.unroll(rows):
@@ -227,7 +227,7 @@ def _gqa_decode_part(q: T.Buffer, pages: T.Buffer, page_values: T.Buffer, b: T.i
     qv = T.decl_buffer((group * d,), "float32")
     sc = T.decl_buffer((group * TILE,), "float32")
     part = T.decl_buffer((group * TILE * LANES,), "float32")
-    pv = T.decl_buffer((group,), f"float32x{LANES}", scope="local")
+    pv = T.decl_buffer((group,), f"float32x{LANES}")
     st = T.decl_buffer((group * 3,), "float32")   # per head: running max, running sum, tile max
     for i in T.unroll(group):
         for x in T.vectorized(d):

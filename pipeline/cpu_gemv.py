@@ -14,9 +14,12 @@ masked in place (w & (15 << 4i) = c * 16^i, exact in fp32) needs no shift: and, 
 computed once per call too. A task owns a span of up to SPAN_MAX output columns (accumulators in L1) and
 walks it group by group, so each group's 4 code rows and its scale row are read in long sequential runs.
 Within the span, 24 columns at a time are 3 AVX2 vectors with two partial sums each (even / odd codes):
-6 independent FMA chains hide the FMA latency; they live in vector-typed local buffers, which LLVM keeps
-in registers (scalar lanes were split by SROA and re-packed). Measured with weights not in cache, 2
-threads: 1.5-2.7x the scheduled GEMV on SmolLM2's shapes (lm_head 6 -> 16-19 GB/s).
+6 independent FMA chains hide the FMA latency; they live in small vector-typed buffers of the default
+scope, which become stack slots that LLVM keeps in registers (scalar lanes were split by SROA and
+re-packed), and scalars inside a task are let-bound: scope="local" buffers and plain scalar assignments
+became per-task TVMBackendAllocWorkspace allocations whose stores all stayed in the loop (fixed
+2026-12-03: SmolLM2 decode 1.16x q4f16, 1.28x q8f16, 1.09x ternary_ptq side by side). Measured with
+weights not in cache, 2 threads: 1.5-2.7x the scheduled GEMV on SmolLM2's shapes (lm_head 6 -> 16-19 GB/s).
 
 Ternary t2 (16 two-bit codes per word, value (c - 1) * s per group of 128) is the same kernel with 2-bit
 fields, x prescaled by 4^-i and an offset of 1; a last group shorter than 128 (K = 576) is handled. q8
@@ -208,14 +211,14 @@ def packed_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float
                     c == codes - 1, T.float32(1),
                     T.Cast("float32", T.shift_left(T.int64(1), T.Cast("int64", top - bits * c))) * T.float32(2.0 ** -top))
         for task in T.parallel(n // span):
-            acc = T.alloc_buffer((span,), "float32", scope="local")
-            part = T.alloc_buffer((2 * vecs,), vf, scope="local")
-            word = T.alloc_buffer((vecs,), vu, scope="local")
+            acc = T.alloc_buffer((span,), "float32")
+            part = T.alloc_buffer((2 * vecs,), vf)
+            word = T.alloc_buffer((vecs,), vu)
             for j in T.vectorized(span):
                 acc[j] = T.float32(0)
             for g in range(groups):
                 for t in range(span // tile):
-                    col = task * span + t * tile
+                    col: T.let[T.int32] = task * span + t * tile
                     for j in T.unroll(2 * vecs):
                         part[j] = T.Broadcast(T.float32(0), LANES)
                     for kw in range(T.min(per_group, words - g * per_group)):
@@ -355,11 +358,11 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
         T.func_attr({"tirx.noalias": True})
         partial = T.alloc_buffer((splits, n), "float32")
         for task in T.parallel(splits * col_tasks):
-            part = T.alloc_buffer((2 * vecs,), vf, scope="local")
+            part = T.alloc_buffer((2 * vecs,), vf)
             _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
             for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
-                    col = task % col_tasks * span + t * tile
+                    col: T.let[T.int32] = task % col_tasks * span + t * tile
                     for j in T.unroll(2 * vecs):
                         part[j] = T.Broadcast(T.float32(0), LANES)
                     for kk in range(group // 2):
@@ -454,12 +457,12 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
                 pairs[kw * half + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
                                                     T.shift_left(q[kw * codes + c + half], 16))
         for task in T.parallel(splits * col_tasks):
-            part = T.alloc_buffer((vecs,), vi, scope="local")
-            word = T.alloc_buffer((vecs,), vu, scope="local")
+            part = T.alloc_buffer((vecs,), vi)
+            word = T.alloc_buffer((vecs,), vu)
             _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
             for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
-                    col = task % col_tasks * span + t * tile
+                    col: T.let[T.int32] = task % col_tasks * span + t * tile
                     for j in T.unroll(vecs):
                         part[j] = T.Broadcast(0, LANES)
                     for kw in range(T.min(per_group, words - g * per_group)):
@@ -538,12 +541,12 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
                 quads[0, kw * shifts + c] = quad_bytes(hi, kw * codes + c, shifts)
                 quads[1, kw * shifts + c] = quad_low_bytes(q, hi, kw * codes + c, shifts)
         for task in T.parallel(splits * col_tasks):
-            part = T.alloc_buffer((2 * vecs,), vi, scope="local")   # hi sums, then lo sums
-            word = T.alloc_buffer((vecs,), vu, scope="local")
+            part = T.alloc_buffer((2 * vecs,), vi)   # hi sums, then lo sums
+            word = T.alloc_buffer((vecs,), vu)
             _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
             for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
-                    col = task % col_tasks * span + t * tile
+                    col: T.let[T.int32] = task % col_tasks * span + t * tile
                     for j in T.unroll(2 * vecs):
                         part[j] = T.Broadcast(0, LANES)
                     for kw in range(T.min(per_group, words - g * per_group)):
@@ -654,14 +657,14 @@ def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "floa
             quads[0, m] = quad_bytes(hi, 4 * m, 1)
             quads[1, m] = quad_low_bytes(q, hi, 4 * m, 1)
         for task in T.parallel(splits * col_tasks):
-            part = T.alloc_buffer((8,), vi, scope="local")      # hi sums of the 4 vectors, then lo sums
-            codes = T.alloc_buffer((4,), vb, scope="local")
-            pairs = T.alloc_buffer((4,), f"int16x{2 * LANES}", scope="local")
-            sums = T.alloc_buffer((4,), vi, scope="local")
+            part = T.alloc_buffer((8,), vi)      # hi sums of the 4 vectors, then lo sums
+            codes = T.alloc_buffer((4,), vb)
+            pairs = T.alloc_buffer((4,), f"int16x{2 * LANES}")
+            sums = T.alloc_buffer((4,), vi)
             _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
             for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
                 for t in range(span // tile):
-                    col = task % col_tasks * span + t * tile
+                    col: T.let[T.int32] = task % col_tasks * span + t * tile
                     for j in T.unroll(8):
                         part[j] = T.Broadcast(0, LANES)
                     for m in range(group // 4):
@@ -762,8 +765,8 @@ def float_nt_gemv(n: int, k: int, weight_dtype: str = "float16") -> tirx.PrimFun
              out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
         T.func_attr({"tirx.noalias": True})
         for b in T.parallel(blocks):
-            acc = T.alloc_buffer((rows * chains,), vf, scope="local")
-            lanes = T.alloc_buffer((LANES,), "float32", scope="local")
+            acc = T.alloc_buffer((rows * chains,), vf)
+            lanes = T.alloc_buffer((LANES,), "float32")
             for j in T.unroll(rows * chains):
                 acc[j] = T.Broadcast(T.float32(0), LANES)
             for ko in range(k // step):

@@ -70,7 +70,7 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
         T.func_attr({"tirx.noalias": True})
         for task in T.parallel(n // tile):
             wt = T.alloc_buffer((k, tile), "float32")        # this task's columns, dequantized
-            acc = T.alloc_buffer((rows * vecs,), vf, scope="local")
+            acc = T.alloc_buffer((rows * vecs,), vf)
             col: T.let[T.int64] = T.Cast("int64", task) * tile
             for kk in range(k):
                 for j in T.vectorized(tile):
@@ -186,8 +186,8 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
                     xq[row, 1, kw * shifts + c] = quad_low_bytes(q, hi, kw * codes + c, shifts)
         for task in T.parallel(n // tile):
             wq = T.alloc_buffer((quads_n, tile), "uint32")   # per word and shift: 4 codes of each column as bytes
-            iacc = T.alloc_buffer((2 * rows * vecs,), vi, scope="local")
-            facc = T.alloc_buffer((rows * vecs,), vf, scope="local")
+            iacc = T.alloc_buffer((2 * rows * vecs,), vi)
+            facc = T.alloc_buffer((rows * vecs,), vf)
             col: T.let[T.int64] = T.Cast("int64", task) * tile
             for kw in range(words):
                 for c in T.unroll(shifts):
