@@ -17,7 +17,9 @@ with random weights made here), on this machine, with the same number of threads
 * this machine's streaming-read bandwidth (a small C program, pthreads, compiled here with cc -O3 at
   bench time; the best of several passes over 1 GiB with `threads` threads), probed at the start and
   after each model (the best probe is the run's bandwidth: the machine's speed drifts), and for each decode
-  figure the roofline ratio tok/s x bytes read per token / bandwidth. Bytes per token: ours, the coverage
+  figure the roofline ratio tok/s x bytes read per token / bandwidth; also a short probe (256 MiB) between
+  measurements, so each row's roofline is given against the better of the probes right before and after
+  it too (`roofline_near`: the same minutes; the goal's verdict stays on the run's best probe). Bytes per token: ours, the coverage
   report's decode-step bytes (reports/coverage.json, summary.decode_step.total.bytes: weights read +
   activations; the KV cache is not costed there); llama.cpp, the GGUF's tensor bytes except the token
   embedding table (unless there is no output.weight: then the table is the tied lm_head and counts);
@@ -505,6 +507,14 @@ def measure_bandwidth(threads: int, mib: int = 1024, passes: int = 10) -> dict[s
                       "-march=native`; best pass (first excluded) is the roofline's bandwidth"}
 
 
+def _near_probe(threads: int) -> float | None:
+    """A short probe between two measurements (256 MiB, 6 passes: ~1 s): GB/s, None if it failed."""
+    try:
+        return measure_bandwidth(threads, mib=256, passes=6)["gbs"]
+    except RuntimeError:
+        return None
+
+
 def combine_bandwidth(probes: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The run's bandwidth from probes taken at its start, between models and at its end: the best of them
     (a shared machine's speed drifts over minutes; one run measured 25 GB/s at its start while llama.cpp's F16
@@ -520,9 +530,11 @@ def combine_bandwidth(probes: list[tuple[str, dict[str, Any]]]) -> dict[str, Any
 
 # ------------------------------------------------------------------------------------------- analysis
 def add_rooflines(rows: list[dict[str, Any]], bandwidth_gbs: float) -> None:
+    """`roofline` against the run's bandwidth; `roofline_near` against the row's own neighbouring probes."""
     for r in rows:
-        d, b = (r.get("decode_tok_s") or {}).get("median"), r.get("bytes_per_token")
+        d, b, near = (r.get("decode_tok_s") or {}).get("median"), r.get("bytes_per_token"), r.get("bandwidth_near_gbs")
         r["roofline"] = roofline_ratio(d, b, bandwidth_gbs * 1e9) if d and b else None
+        r["roofline_near"] = roofline_ratio(d, b, near * 1e9) if d and b and near else None
 
 
 def phone_predictions(rows: list[dict[str, Any]], phones: dict[str, dict[str, Any]],
@@ -567,7 +579,8 @@ def goal_verdicts(rows: list[dict[str, Any]], goals: list[dict[str, Any]], model
             if g["metric"] in ("decode_tok_s", "prefill_tok_s") and "theirs" in g:
                 best = ratio(_metric(by.get((model, "ours", g["ours"])), g, "max"),
                              _metric(by.get((model, "llama.cpp", g["theirs"])), g, "max"))
-            out.append({**g, "model": model, "value": value, "met": met, "best_vs_best": best})
+            near = (by.get((model, "ours", g["ours"])) or {}).get("roofline_near") if g["metric"] == "roofline" else None
+            out.append({**g, "model": model, "value": value, "met": met, "best_vs_best": best, "near": near})
     return out
 
 
@@ -579,6 +592,8 @@ def _goal_text(g: dict[str, Any]) -> str:
     val = "not measured" if g["value"] is None else f"{g['value']:.3f}"
     verdict = "—" if g["met"] is None else ("MET" if g["met"] else "NOT MET")
     best = f"; best sample vs best sample {g['best_vs_best']:.3f}" if g.get("best_vs_best") is not None else ""
+    if g.get("near") is not None:
+        best += f"; against the probes right before and after it {g['near']:.3f} (not the verdict)"
     return f"{g['model']}: {lhs} = {val} (goal {bound}): {verdict}{best}"
 
 
@@ -621,7 +636,8 @@ def markdown(res: dict[str, Any]) -> str:
              "prompt (ours) / llama-bench tg after as many cached tokens (-d, llama.cpp; from an empty context in the "
              "JSON's decode_tok_s_empty_context). TTFT: prefill of the shortest prompt "
              "(+ argmax); llama.cpp's is derived as n / pp<n>. Roofline: decode tok/s × bytes read per token / "
-             "bandwidth. RSS in MiB: through decode (ours: the child's peak after its decode runs; llama.cpp: a "
+             "bandwidth (the run's best probe; \"near\": the better of the short probes taken right before and "
+             "after that row's measurement, the same minutes). RSS in MiB: through decode (ours: the child's peak after its decode runs; llama.cpp: a "
              "decode-only llama-bench process, -p 0 -n 16) and the whole process. Our processes run Python + TVM's "
              "runtime; llama-bench is one C++ binary with the GGUF mmapped.", ""]
     for model in res["models"]:
@@ -633,8 +649,8 @@ def markdown(res: dict[str, Any]) -> str:
         pf = model["prefill"]
         head = ("| scheme | side | " + " | ".join(f"prefill-{n} tok/s" for n in pf)
                 + f" | decode-{res['decode_tokens']} tok/s | TTFT ms | bytes/token MB | roofline % "
-                "| RSS decode | RSS peak | load 1m | note |")
-        lines += [head, "|---|---|" + "---:|" * (len(pf) + 7) + "---|"]
+                "| roofline % near | RSS decode | RSS peak | load 1m | note |")
+        lines += [head, "|---|---|" + "---:|" * (len(pf) + 8) + "---|"]
         for r in [r for r in res["rows"] if r["model"] == model["name"]]:
             ttft = r.get("ttft_s") or {}
             ttft_ms = {k: (v * 1e3 if isinstance(v, float) else v) for k, v in ttft.items() if k in
@@ -642,7 +658,8 @@ def markdown(res: dict[str, Any]) -> str:
             cells = [_s((r.get("prefill_tok_s") or {}).get(str(n))) for n in pf]
             lines.append(f"| {r['scheme']} | {r['side']} | " + " | ".join(cells) + f" | {_s(r.get('decode_tok_s'))} | "
                          f"{_s(ttft_ms, '.0f')} | {_f(r.get('bytes_per_token') and r['bytes_per_token'] / 1e6, '.1f')} | "
-                         f"{_f(r.get('roofline') and 100 * r['roofline'], '.1f')} | {_mb(r.get('decode_rss_bytes'))} | "
+                         f"{_f(r.get('roofline') and 100 * r['roofline'], '.1f')} | "
+                         f"{_f(r.get('roofline_near') and 100 * r['roofline_near'], '.1f')} | {_mb(r.get('decode_rss_bytes'))} | "
                          f"{_mb(r.get('peak_rss_bytes'))} | {_f(r.get('load_average_1m'))} | {r.get('note', '')} |")
         lines.append("")
     lines += ["## Compile time (fresh empty cache, then a no-change rebuild)", "",
@@ -732,10 +749,13 @@ def measurement_order(ours: list[str], theirs: list[str], counterparts: dict[str
     return order + [("llama.cpp", t) for t in theirs if ("llama.cpp", t) not in order]
 
 
-def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print) -> list[dict[str, Any]]:
+def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print,
+                near_probe=None) -> list[dict[str, Any]]:
     """Build every bundle and GGUF first, then measure them, each of ours right before its llama.cpp
     counterpart (speed.yaml: counterparts): the machine is shared and its speed drifts over minutes (a
-    full run once saw 28-39 GB/s), so the two figures of a goal's ratio are taken next to each other."""
+    full run once saw 28-39 GB/s), so the two figures of a goal's ratio are taken next to each other.
+    `near_probe()`: GB/s (or None) read before the first measurement and after each; a row gets the better of
+    its two neighbours as `bandwidth_near_gbs`."""
     log(f"{model['name']}: preparing weights ...")
     source, weights = model_source(model)
     long_ok = model.get("long_prefill_schemes", cfg["ours"])
@@ -770,11 +790,21 @@ def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print) -> li
         for qtype, row in theirs.items():
             if qtype not in ggufs:
                 row["note"] = "no GGUF (conversion failed)"
+    before = near_probe() if near_probe else None
     for side, name in measurement_order(cfg["ours"], cfg["llamacpp"], cfg.get("counterparts", {})):
         if side == "ours" and name in bundles:
-            _measure_ours(ours[name], bundles[name], model, cfg, name in long_ok, log)
+            row = ours[name]
+            _measure_ours(row, bundles[name], model, cfg, name in long_ok, log)
         elif side == "llama.cpp" and name in ggufs:
-            _measure_theirs(theirs[name], ggufs[name], lc, model, cfg, log)
+            row = theirs[name]
+            _measure_theirs(row, ggufs[name], lc, model, cfg, log)
+        else:
+            continue
+        after = near_probe() if near_probe else None
+        near = [g for g in (before, after) if g]
+        if near:
+            row["bandwidth_near_gbs"] = max(near)
+        before = after
     return list(ours.values()) + list(theirs.values())
 
 
@@ -892,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     models_out = []
     for model in cfg["models"]:
-        rows += bench_model(model, cfg, lc, log=lambda s: print(s, flush=True))
+        rows += bench_model(model, cfg, lc, log=lambda s: print(s, flush=True),
+                            near_probe=(lambda: _near_probe(cfg["threads"])) if probes[0][1].get("gbs") else None)
         models_out.append({**model, "params": model_params(model)})
         if probes[0][1].get("gbs"):
             probe(f"after {model['name']}")

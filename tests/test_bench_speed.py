@@ -156,7 +156,7 @@ def test_markdown_renders_a_made_up_result():
            "models": [{"name": "m", "params": 1e6, "prefill": [128], "reps": 2}],
            "rows": [{"model": "m", "side": "ours", "scheme": "q4f16", "decode_tok_s": speed.spread([1.0, 2.0]),
                      "prefill_tok_s": {"128": speed.spread([3.0])}, "ttft_s": speed.spread([0.5, 0.7]),
-                     "bytes_per_token": 1e8, "roofline": 0.015, "decode_rss_bytes": 2**30, "peak_rss_bytes": 2**30,
+                     "bytes_per_token": 1e8, "roofline": 0.015, "roofline_near": 0.03, "decode_rss_bytes": 2**30, "peak_rss_bytes": 2**30,
                      "load_average_1m": 1.5}],
            "compile": [{"target": "host-cpu", "args": [], "model": "m", "quant": "q4f16", "cold_s": 10.0,
                         "steps": {"fuse": 1.0}, "rebuild_s": 1.0}],
@@ -165,7 +165,7 @@ def test_markdown_renders_a_made_up_result():
                                   "predicted_tok_s": {"p": 300.0}}],
            "goals": []}
     md = speed.markdown(res)
-    assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 1.5 | 1024 | 1024 | 1.50 |" in md
+    assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 1.5 | 3.0 | 1024 | 1024 | 1.50 |" in md
     assert "PREDICTION" in md and "| m | q4f16 | 100.0 | 300.0 |" in md
 
 
@@ -203,9 +203,11 @@ def test_the_roofline_takes_the_best_bandwidth_probe_of_the_run():
     bw = speed.combine_bandwidth([("start", probe(25.0)), ("after a", probe(44.0)), ("after b", probe(40.0))])
     assert bw["gbs"] == 44.0 and bw["drift"] == 25.0 / 44.0
     assert [p["when"] for p in bw["probes"]] == ["start", "after a", "after b"]
-    rows = [{"decode_tok_s": speed.spread([100.0]), "bytes_per_token": 2.2e8}]
+    rows = [{"decode_tok_s": speed.spread([100.0]), "bytes_per_token": 2.2e8, "bandwidth_near_gbs": 25.0},
+            {"decode_tok_s": speed.spread([100.0]), "bytes_per_token": 2.2e8}]
     speed.add_rooflines(rows, bw["gbs"])
-    assert rows[0]["roofline"] == 100.0 * 2.2e8 / 44e9
+    assert rows[0]["roofline"] == 100.0 * 2.2e8 / 44e9 and rows[0]["roofline_near"] == 100.0 * 2.2e8 / 25e9
+    assert rows[1]["roofline_near"] is None     # no probe beside it: only the run's figure
     failed = {"gbs": None, "error": "no cc", "threads": 2}
     assert speed.combine_bandwidth([("start", failed)]) == failed
     res = {"date": "2026-01-01", "quick": True, "threads": 2, "decode_tokens": 64, "llamacpp_reps": 2,
@@ -251,3 +253,22 @@ def test_read_floor_counts_what_a_decode_reads():
     assert decode_weights(tied) == tied
     untied = [*tied, "lm_head.q_weight", "lm_head.q_scale"]
     assert decode_weights(untied) == untied[2:]
+
+
+def test_each_measured_row_gets_the_better_of_its_neighbouring_probes(monkeypatch, tmp_path):
+    """bench_model probes before the first measurement and after each; a row's near bandwidth is the better
+    of the probes on either side of it (the same minutes), a row not measured gets none."""
+    cfg = {"ours": ["q4f16", "q8f16"], "llamacpp": ["Q4_0"], "counterparts": {"q4f16": "Q4_0"}}
+    model = {"name": "m", "prefill": [128]}
+    monkeypatch.setattr(speed, "model_source", lambda m: ("src", tmp_path))
+    monkeypatch.setattr(speed, "pipeline_build", lambda *a, **k: {"bundle": speed.ROOT / "b", "seconds": 1.0})
+    monkeypatch.setattr(speed, "bundle_decode_bytes", lambda b: 1e8)
+    monkeypatch.setattr(speed, "llamacpp_ggufs", lambda lc, w, types, out: {"Q4_0": tmp_path / "q.gguf"})
+    measured = []
+    monkeypatch.setattr(speed, "_measure_ours", lambda row, *a, **k: measured.append(row["scheme"]))
+    monkeypatch.setattr(speed, "_measure_theirs", lambda row, *a, **k: measured.append(row["scheme"]))
+    probes = iter([30.0, 50.0, None, 20.0])
+    rows = speed.bench_model(model, cfg, lc=object(), log=lambda s: None, near_probe=lambda: next(probes))
+    assert measured == ["q4f16", "Q4_0", "q8f16"]
+    near = {r["scheme"]: r.get("bandwidth_near_gbs") for r in rows}
+    assert near == {"q4f16": 50.0, "Q4_0": 50.0, "q8f16": 20.0}
