@@ -252,7 +252,7 @@ def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
 def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, decode: int,
                   seed: int) -> dict[str, Any]:
     """Runs inside the fresh child: TTFT + prefill-128 then decode, `reps` times; the longer prompts
-    `long_reps` times. The Engine is the one `python -m pipeline run` drives, with TVM's runtime alone."""
+    `long_reps` times, each length after one untimed prefill of its own. The Engine is the one `python -m pipeline run` drives, with TVM's runtime alone."""
     from pipeline.lean_runtime import enter_runtime_process
 
     enter_runtime_process()
@@ -283,6 +283,8 @@ def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, d
             out["decode_tok_s"].append(decode / (time.perf_counter() - t))
     out["decode_rss_bytes"] = vm_hwm_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for n in longer:
+        engine.reset()                                   # warm-up at this length too (llama-bench warms up
+        engine.prefill(ids[:n])                          # before each test): its workspaces are larger
         for _ in range(long_reps):
             engine.reset()
             t = time.perf_counter()
