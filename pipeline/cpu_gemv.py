@@ -160,11 +160,12 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
     return substitute(func, kernel, order, "dequant-gemv-ternary" if fmt in tern.PACKINGS else "dequant-gemv")
 
 
-def substitute(func: tirx.PrimFunc, kernel: tirx.PrimFunc, order: tuple[str, ...], op_class: str) -> tirx.PrimFunc:
-    """`kernel` (parameters in ROLES order) with `func`'s parameter order and attributes (its symbol, if any),
-    so the substitute is built exactly as the original would be, and its op class declared (it has no blocks
-    to read it from; coverage.classify honours it)."""
-    params = [kernel.params[ROLES.index(role)] for role in order]
+def substitute(func: tirx.PrimFunc, kernel: tirx.PrimFunc, order: tuple[str, ...], op_class: str,
+               roles: tuple[str, ...] = ROLES) -> tirx.PrimFunc:
+    """`kernel` (parameters in `roles` order) with `func`'s parameter order and attributes (its symbol, if
+    any), so the substitute is built exactly as the original would be, and its op class declared (it has no
+    blocks to read it from; coverage.classify honours it)."""
+    params = [kernel.params[roles.index(role)] for role in order]
     return (tirx.PrimFunc(params, kernel.body, kernel.ret_type, func.attrs).with_attr("tirx.noalias", True)
             .with_attr(OP_CLASS_ATTR, op_class))
 
@@ -734,14 +735,16 @@ def match_float_nt_gemv(func: tirx.PrimFunc, text: str | None = None, min_work: 
         if len(cast) != 1 or cast[0][0] != w_name:
             return None
         w_name = cast[0][3]
-    if sorted(names[:2]) != sorted([x_name, w_name]) or "_intermediate" not in out_name and out_name != names[2]:
+    if sorted(names[:2]) != sorted([x_name, w_name]) or out_name != names[2]:
         return None
     shapes = {p.name: tuple(int(d) for d in p.shape) for p in params}
     dtypes = {p.name: str(p.dtype) for p in params}
-    out_shape, (n, k) = shapes[names[2]], (shapes[w_name] if len(shapes[w_name]) == 2 else (0, 0))
+    if len(shapes[w_name]) != 2:
+        return None
+    n, k = shapes[w_name]
     if (dtypes[x_name], dtypes[names[2]]) != ("float32", "float32") or dtypes[w_name] not in ("float16", "float32"):
         return None
-    if shapes[x_name] != (1, 1, k) or out_shape != (1, 1, n) or n * k < min_work:
+    if shapes[x_name] != (1, 1, k) or shapes[names[2]] != (1, 1, n) or n * k < min_work:
         return None
     if n % FLOAT_NT_ROWS or k % (FLOAT_NT_CHAINS * LANES):
         return None
@@ -795,8 +798,4 @@ def float_nt_gemv_like(func: tirx.PrimFunc, text: str | None = None, min_work: i
     if match is None:
         return None
     n, k, weight_dtype, order = match
-    kernel = float_nt_gemv(n, k, weight_dtype)
-    roles = ("x", "w", "out")
-    params = [kernel.params[roles.index(role)] for role in order]
-    return (tirx.PrimFunc(params, kernel.body, kernel.ret_type, func.attrs).with_attr("tirx.noalias", True)
-            .with_attr(OP_CLASS_ATTR, "gemv"))
+    return substitute(func, float_nt_gemv(n, k, weight_dtype), order, "gemv", roles=("x", "w", "out"))
