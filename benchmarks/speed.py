@@ -574,14 +574,14 @@ def goal_verdicts(rows: list[dict[str, Any]], goals: list[dict[str, Any]], model
     out = []
     for model in models:
         for g in goals:
-            ours = _metric(by.get((model, "ours", g["ours"])), g)
-            value = ours if "theirs" not in g else ratio(ours, _metric(by.get((model, "llama.cpp", g["theirs"])), g))
+            ours_row, theirs_row = by.get((model, "ours", g["ours"])), by.get((model, "llama.cpp", g.get("theirs")))
+            ours = _metric(ours_row, g)
+            value = ours if "theirs" not in g else ratio(ours, _metric(theirs_row, g))
             met = None if value is None else (value >= g["at_least"] if "at_least" in g else value <= g["at_most"])
             best = None   # tok/s goals also best sample vs best sample: a shared machine's load hits runs unevenly
             if g["metric"] in ("decode_tok_s", "prefill_tok_s") and "theirs" in g:
-                best = ratio(_metric(by.get((model, "ours", g["ours"])), g, "max"),
-                             _metric(by.get((model, "llama.cpp", g["theirs"])), g, "max"))
-            near = (by.get((model, "ours", g["ours"])) or {}).get("roofline_near") if g["metric"] == "roofline" else None
+                best = ratio(_metric(ours_row, g, "max"), _metric(theirs_row, g, "max"))
+            near = (ours_row or {}).get("roofline_near") if g["metric"] == "roofline" else None
             out.append({**g, "model": model, "value": value, "met": met, "best_vs_best": best, "near": near})
     return out
 
@@ -921,13 +921,14 @@ def main(argv: list[str] | None = None) -> int:
         probes.append((when, b))
 
     probe("start")
+    probing = bool(probes[0][1].get("gbs"))   # the reader builds and runs here: probe between measurements too
     rows: list[dict[str, Any]] = []
     models_out = []
     for model in cfg["models"]:
         rows += bench_model(model, cfg, lc, log=lambda s: print(s, flush=True),
-                            near_probe=(lambda: _near_probe(cfg["threads"])) if probes[0][1].get("gbs") else None)
+                            near_probe=(lambda: _near_probe(cfg["threads"])) if probing else None)
         models_out.append({**model, "params": model_params(model)})
-        if probes[0][1].get("gbs"):
+        if probing:
             probe(f"after {model['name']}")
     bandwidth = combine_bandwidth(probes)
     if bandwidth.get("gbs"):
