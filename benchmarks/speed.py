@@ -21,8 +21,10 @@ with random weights made here), on this machine, with the same number of threads
   measurements, so each row's roofline is given against the better of the probes right before and after
   it too (`roofline_near`: the same minutes; the goal's verdict stays on the run's best probe). Bytes per token: ours, the coverage
   report's decode-step bytes (reports/coverage.json, summary.decode_step.total.bytes: weights read +
-  activations; the KV cache is not costed there); llama.cpp, the GGUF's tensor bytes except the token
-  embedding table (unless there is no output.weight: then the table is the tied lm_head and counts);
+  activations); llama.cpp, the GGUF's tensor bytes except the token embedding table (unless there is no
+  output.weight: then the table is the tied lm_head and counts); on both sides plus the KV cache's keys
+  and values the attention reads, on average over the decode run (ours: reports/memory.json's bytes per
+  cached position, fp32 on host-cpu; llama.cpp: f16, llama-bench's default cache type);
 * compile time per target into a fresh empty cache (MLP_CACHE_DIR) and the no-change rebuild;
 * a phone prediction table: share x peak bandwidth / decode-step bytes for each bundle and phone of
   configs/phones.yaml (a prediction, not a measurement).
@@ -88,9 +90,20 @@ def predicted_tok_s(bandwidth_gbs: float, bytes_per_token: float, share: float) 
     return share * bandwidth_gbs * 1e9 / bytes_per_token
 
 
+def kv_read_bytes(bytes_per_position: float, depth: int, decode: int) -> float:
+    """Bytes one decode step's attention reads from the KV cache, on average over a `decode`-token run after
+    a `depth`-token prompt: step i (1..decode) reads the keys and values of depth + i positions."""
+    return bytes_per_position * (depth + (decode + 1) / 2)
+
+
+# llama-bench's KV cache type unless -ctk / -ctv say otherwise: f16
+LLAMACPP_KV_BYTES = 2
+
+
 def gguf_decode_bytes(path: Path) -> dict[str, Any]:
     """Bytes a decode step reads from a GGUF's tensors: all of them except the token-embedding table
-    (one row is gathered), unless the model has no output.weight — then the table is the tied lm_head."""
+    (one row is gathered), unless the model has no output.weight — then the table is the tied lm_head.
+    Also the KV cache's bytes per cached position (keys + values of every layer, in llama-bench's f16)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -99,14 +112,37 @@ def gguf_decode_bytes(path: Path) -> dict[str, Any]:
     embd = sizes.get("token_embd.weight", 0)
     total = sum(sizes.values())
     read = total if tied else total - embd
+
+    def field(key: str) -> int | None:
+        f = reader.fields.get(f"{arch}.{key}")
+        return None if f is None else int(f.parts[f.data[0]][0])
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode() if "general.architecture" in \
+        reader.fields else "llama"
+    kv_position = None
+    layers, heads, kv_heads = field("block_count"), field("attention.head_count"), field("attention.head_count_kv")
+    if layers and heads:
+        width = field("embedding_length") or 0
+        key_len = field("attention.key_length") or width // heads
+        value_len = field("attention.value_length") or width // heads
+        kv_position = layers * (kv_heads or heads) * (key_len + value_len) * LLAMACPP_KV_BYTES
     return {"bytes_per_token": read, "file_tensor_bytes": total, "tied_embeddings": tied,
-            "params": sum(int(t.n_elements) for t in reader.tensors)}
+            "params": sum(int(t.n_elements) for t in reader.tensors), "kv_bytes_per_position": kv_position}
 
 
 def bundle_decode_bytes(bundle: Path) -> int:
     """The coverage report's decode-step bytes (weights read + activations) of a built bundle."""
     cov = json.loads((Path(bundle) / "reports" / "coverage.json").read_text())
     return int(cov["summary"]["decode_step"]["total"]["bytes"])
+
+
+def bundle_kv_bytes_per_position(bundle: Path) -> int | None:
+    """The memory report's KV-cache bytes per cached position (keys + values of every attention layer, in
+    the bundle's cache dtype) of a built bundle."""
+    mem = Path(bundle) / "reports" / "memory.json"
+    if not mem.exists():
+        return None
+    return (json.loads(mem.read_text()).get("kv_cache") or {}).get("bytes_per_token")
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -532,11 +568,15 @@ def combine_bandwidth(probes: list[tuple[str, dict[str, Any]]]) -> dict[str, Any
 
 # ------------------------------------------------------------------------------------------- analysis
 def add_rooflines(rows: list[dict[str, Any]], bandwidth_gbs: float) -> None:
-    """`roofline` against the run's bandwidth; `roofline_near` against the row's own neighbouring probes."""
+    """`roofline` against the run's bandwidth; `roofline_near` against the row's own neighbouring probes.
+    Bytes read per token: the weights' (+ activations') and the KV cache's mean over the decode run;
+    `roofline_weights` counts the weights alone (what the runs before 2026-12-03 called the roofline)."""
     for r in rows:
-        d, b, near = (r.get("decode_tok_s") or {}).get("median"), r.get("bytes_per_token"), r.get("bandwidth_near_gbs")
+        d, w, near = (r.get("decode_tok_s") or {}).get("median"), r.get("bytes_per_token"), r.get("bandwidth_near_gbs")
+        b = w + (r.get("kv_bytes_per_token") or 0) if w else None
         r["roofline"] = roofline_ratio(d, b, bandwidth_gbs * 1e9) if d and b else None
         r["roofline_near"] = roofline_ratio(d, b, near * 1e9) if d and b and near else None
+        r["roofline_weights"] = roofline_ratio(d, w, bandwidth_gbs * 1e9) if d and w else None
 
 
 def phone_predictions(rows: list[dict[str, Any]], phones: dict[str, dict[str, Any]],
@@ -637,8 +677,9 @@ def markdown(res: dict[str, Any]) -> str:
              "Figures: median (min–max) over the repetitions. Decode: greedy tokens right after the first (shortest) "
              "prompt (ours) / llama-bench tg after as many cached tokens (-d, llama.cpp; from an empty context in the "
              "JSON's decode_tok_s_empty_context). TTFT: prefill of the shortest prompt "
-             "(+ argmax); llama.cpp's is derived as n / pp<n>. Roofline: decode tok/s × bytes read per token / "
-             "bandwidth (the run's best probe; \"near\": the better of the short probes taken right before and "
+             "(+ argmax); llama.cpp's is derived as n / pp<n>. Roofline: decode tok/s × bytes read per token (the "
+             "weights' `bytes/token` + the KV cache's mean over the decode run, `KV MB/token`: ours in the "
+             "bundle's cache dtype, fp32 on host-cpu; llama.cpp's f16) / bandwidth (the run's best probe; \"near\": the better of the short probes taken right before and "
              "after that row's measurement, the same minutes). RSS in MiB: through decode (ours: the child's peak after its decode runs; llama.cpp: a "
              "decode-only llama-bench process, -p 0 -n 16) and the whole process. Our processes run Python + TVM's "
              "runtime; llama-bench is one C++ binary with the GGUF mmapped.", ""]
@@ -650,9 +691,9 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{model.get('llamacpp_reps', res['llamacpp_reps'])}.", ""]
         pf = model["prefill"]
         head = ("| scheme | side | " + " | ".join(f"prefill-{n} tok/s" for n in pf)
-                + f" | decode-{res['decode_tokens']} tok/s | TTFT ms | bytes/token MB | roofline % "
+                + f" | decode-{res['decode_tokens']} tok/s | TTFT ms | bytes/token MB | KV MB/token | roofline % "
                 "| roofline % near | RSS decode | RSS peak | load 1m | note |")
-        lines += [head, "|---|---|" + "---:|" * (len(pf) + 8) + "---|"]
+        lines += [head, "|---|---|" + "---:|" * (len(pf) + 9) + "---|"]
         for r in [r for r in res["rows"] if r["model"] == model["name"]]:
             ttft = r.get("ttft_s") or {}
             ttft_ms = {k: (v * 1e3 if isinstance(v, float) else v) for k, v in ttft.items() if k in
@@ -660,6 +701,7 @@ def markdown(res: dict[str, Any]) -> str:
             cells = [_s((r.get("prefill_tok_s") or {}).get(str(n))) for n in pf]
             lines.append(f"| {r['scheme']} | {r['side']} | " + " | ".join(cells) + f" | {_s(r.get('decode_tok_s'))} | "
                          f"{_s(ttft_ms, '.0f')} | {_f(r.get('bytes_per_token') and r['bytes_per_token'] / 1e6, '.1f')} | "
+                         f"{_f(r.get('kv_bytes_per_token') and r['kv_bytes_per_token'] / 1e6, '.1f')} | "
                          f"{_f(r.get('roofline') and 100 * r['roofline'], '.1f')} | "
                          f"{_f(r.get('roofline_near') and 100 * r['roofline_near'], '.1f')} | {_mb(r.get('decode_rss_bytes'))} | "
                          f"{_mb(r.get('peak_rss_bytes'))} | {_f(r.get('load_average_1m'))} | {r.get('note', '')} |")
@@ -774,6 +816,9 @@ def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print,
             row["bundle"] = str(b["bundle"].relative_to(ROOT))
             row["build_s"] = b["seconds"]
             row["bytes_per_token"] = bundle_decode_bytes(b["bundle"])
+            kv = bundle_kv_bytes_per_position(b["bundle"])
+            if kv:   # decode right after the first prompt length's prefill (measure_bundle's child)
+                row["kv_bytes_per_token"] = kv_read_bytes(kv, model["prefill"][0], cfg["decode_tokens"])
             bundles[scheme] = b["bundle"]
             log(f"  ours {scheme}: built ({b['seconds']:.0f} s)")
         except (RuntimeError, OSError, ValueError, KeyError) as err:
@@ -833,6 +878,9 @@ def _measure_theirs(row: dict[str, Any], gguf: Path, lc, model: dict[str, Any], 
     try:
         info = gguf_decode_bytes(gguf)
         row["bytes_per_token"] = info["bytes_per_token"]
+        if info["kv_bytes_per_position"]:   # decode at depth prefill[0] (measure_gguf's -d)
+            row["kv_bytes_per_token"] = kv_read_bytes(info["kv_bytes_per_position"], model["prefill"][0],
+                                                      cfg["decode_tokens"])
         row["load_average_1m"] = os.getloadavg()[0]
         row.update(measure_gguf(lc, gguf, model["prefill"], cfg["decode_tokens"], cfg["threads"],
                                 model.get("llamacpp_reps", cfg["llamacpp_reps"])))

@@ -65,6 +65,35 @@ def test_gguf_decode_bytes_tied_counts_the_embedding_as_lm_head(tmp_path):
     assert info["bytes_per_token"] == 128 + 32 + 16
 
 
+def test_gguf_kv_bytes_per_position_from_its_metadata(tmp_path):
+    """Keys + values of every layer in f16 (llama-bench's default cache): 3 layers x 2 KV heads x (16 + 16)
+    x 2 bytes; the head size is the width / heads when the GGUF does not give key_length."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_block_count(3)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 4), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert speed.gguf_decode_bytes(tmp_path / "m.gguf")["kv_bytes_per_position"] == 3 * 2 * (16 + 16) * 2
+    _tiny_gguf(tmp_path / "bare.gguf", tied=True)     # no attention metadata: not guessed
+    assert speed.gguf_decode_bytes(tmp_path / "bare.gguf")["kv_bytes_per_position"] is None
+
+
+def test_kv_read_bytes_is_the_mean_cached_length_of_the_decode_run(tmp_path):
+    # after a 128-token prompt, decode steps 1..4 attend over 129..132 positions: 130.5 on average
+    assert speed.kv_read_bytes(1000, 128, 4) == pytest.approx(1000 * (129 + 130 + 131 + 132) / 4)
+    assert speed.bundle_kv_bytes_per_position(tmp_path) is None      # no memory report: not counted
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "memory.json").write_text(json.dumps({"kv_cache": {"bytes_per_token": 46080}}))
+    assert speed.bundle_kv_bytes_per_position(tmp_path) == 46080
+
+
 def test_bundle_decode_bytes_reads_the_coverage_summary(tmp_path):
     (tmp_path / "reports").mkdir()
     cov = {"summary": {"decode_step": {"total": {"bytes": 12345, "flops": 1}}}}
@@ -156,7 +185,8 @@ def test_markdown_renders_a_made_up_result():
            "models": [{"name": "m", "params": 1e6, "prefill": [128], "reps": 2}],
            "rows": [{"model": "m", "side": "ours", "scheme": "q4f16", "decode_tok_s": speed.spread([1.0, 2.0]),
                      "prefill_tok_s": {"128": speed.spread([3.0])}, "ttft_s": speed.spread([0.5, 0.7]),
-                     "bytes_per_token": 1e8, "roofline": 0.015, "roofline_near": 0.03, "decode_rss_bytes": 2**30, "peak_rss_bytes": 2**30,
+                     "bytes_per_token": 1e8, "kv_bytes_per_token": 4.5e6, "roofline": 0.015, "roofline_near": 0.03,
+                     "decode_rss_bytes": 2**30, "peak_rss_bytes": 2**30,
                      "load_average_1m": 1.5}],
            "compile": [{"target": "host-cpu", "args": [], "model": "m", "quant": "q4f16", "cold_s": 10.0,
                         "steps": {"fuse": 1.0}, "rebuild_s": 1.0}],
@@ -165,7 +195,7 @@ def test_markdown_renders_a_made_up_result():
                                   "predicted_tok_s": {"p": 300.0}}],
            "goals": []}
     md = speed.markdown(res)
-    assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 1.5 | 3.0 | 1024 | 1024 | 1.50 |" in md
+    assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 4.5 | 1.5 | 3.0 | 1024 | 1024 | 1.50 |" in md
     assert "PREDICTION" in md and "| m | q4f16 | 100.0 | 300.0 |" in md
 
 
@@ -204,10 +234,13 @@ def test_the_roofline_takes_the_best_bandwidth_probe_of_the_run():
     assert bw["gbs"] == 44.0 and bw["drift"] == 25.0 / 44.0
     assert [p["when"] for p in bw["probes"]] == ["start", "after a", "after b"]
     rows = [{"decode_tok_s": speed.spread([100.0]), "bytes_per_token": 2.2e8, "bandwidth_near_gbs": 25.0},
-            {"decode_tok_s": speed.spread([100.0]), "bytes_per_token": 2.2e8}]
+            {"decode_tok_s": speed.spread([100.0]), "bytes_per_token": 2.2e8, "kv_bytes_per_token": 0.2e8}]
     speed.add_rooflines(rows, bw["gbs"])
     assert rows[0]["roofline"] == 100.0 * 2.2e8 / 44e9 and rows[0]["roofline_near"] == 100.0 * 2.2e8 / 25e9
     assert rows[1]["roofline_near"] is None     # no probe beside it: only the run's figure
+    # the KV cache's reads count with the weights'; roofline_weights is the weights alone
+    assert rows[1]["roofline"] == pytest.approx(100.0 * 2.4e8 / 44e9)
+    assert rows[1]["roofline_weights"] == pytest.approx(100.0 * 2.2e8 / 44e9)
     failed = {"gbs": None, "error": "no cc", "threads": 2}
     assert speed.combine_bandwidth([("start", failed)]) == failed
     res = {"date": "2026-01-01", "quick": True, "threads": 2, "decode_tokens": 64, "llamacpp_reps": 2,
