@@ -92,6 +92,7 @@ def _host_cpu() -> str | None:
 WEIGHT_FORMATS = ("float", "q4", "q8", "t2", "t3", "b1")
 TERNARY_FORMATS = ("t2", "t3", "b1")    # packed sign formats (pipeline/ternary.py): ternary t2 / t3, binary b1
 TERNARY_SOURCES = ("native", "ptq")
+KV_CACHE_DTYPES = ("auto", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,10 @@ class QuantSpec:
     # calibrated quantization (pipeline/calibrate.py + gptq.py) of q4 / q8 tensors: {text, tokens, window}
     # or none (round-to-nearest)
     calibration: Any = None
+    # KV-cache precision: auto (fp16, like llama.cpp's default cache, on every target; fp32 for the fp32
+    # reference scheme q0f32) | float16 | float32. Half the cache's memory and the bytes each decode step's
+    # attention reads, at the cost of rounding keys / values (and the attention's query / output) to fp16
+    kv_cache: str = "auto"
 
     def __post_init__(self):
         from .calibrate import CalibrationSpec
@@ -132,6 +137,9 @@ class QuantSpec:
         if self.ternary_source not in TERNARY_SOURCES:
             raise ConfigError(f"unknown ternary_source {self.ternary_source!r}", path=self.path,
                               fix=f"use one of {', '.join(TERNARY_SOURCES)}")
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown kv_cache {self.kv_cache!r}", path=self.path,
+                              fix=f"set kv_cache: one of {', '.join(KV_CACHE_DTYPES)}")
         r = self.rotation
         if not isinstance(r, int) or r < 0 or (r and r & (r - 1)):
             raise ConfigError(f"rotation {r!r} is not 0 or a power of two", path=self.path,
@@ -162,6 +170,12 @@ class QuantSpec:
         if self.weight_format == "float" and self.weight_dtype == "float32":
             return "float32"
         return target.compute_dtype
+
+    def kv_cache_dtype(self, target: TargetSpec) -> str:
+        """The KV cache's storage dtype: `kv_cache`, or for auto fp16 except the fp32 scheme (q0f32)."""
+        if self.kv_cache != "auto":
+            return self.kv_cache
+        return "float32" if self.weight_format == "float" and self.weight_dtype == "float32" else "float16"
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ Weights read per decoded token
     All weight bytes except the embedding table, of which only one row is gathered; when the
     embeddings are tied, the lm_head reads the whole embedding matrix, so it is counted once.
 KV cache
-    ``2 (K and V) x kv_heads x head_dim x bytes(compute_dtype)`` per full-attention layer per
-    token, times the context length. Sliding windows and KV quantization are not modelled.
+    ``2 (K and V) x kv_heads x head_dim x bytes(kv_dtype)`` per full-attention layer per token, times
+    the context length; ``kv_dtype`` is the scheme's KV-cache precision (fp16 by default; the compute dtype
+    when not given). Sliding windows are not modelled.
 Recurrent state (hybrids only)
     Gated DeltaNet state, always fp32: ``value_heads x key_head_dim x value_head_dim x 4 B`` per
     linear-attention layer. Conv state in ``compute_dtype`` (it holds the last ``kernel - 1``
@@ -321,14 +322,18 @@ def memory_plan(
     phone: dict | None = None,
     group_modes: dict[str, str] | None = None,
     max_buffer_bytes: int | None = None,
+    kv_dtype: str | None = None,
 ) -> dict:
     """Memory / bandwidth plan of ``hf_config`` under ``quant``; see the module docstring for the model."""
     if quant not in QUANT_MODES:
         raise ValueError(f"unknown quant {quant!r}; expected one of {QUANT_MODES}")
-    if compute_dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown compute_dtype {compute_dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    kv_dtype = kv_dtype or compute_dtype
+    for what, dt in (("compute_dtype", compute_dtype), ("kv_dtype", kv_dtype)):
+        if dt not in DTYPE_BYTES:
+            raise ValueError(f"unknown {what} {dt!r}; expected one of {sorted(DTYPE_BYTES)}")
     cfg = _text_config(hf_config)
     act_b = DTYPE_BYTES[compute_dtype]
+    kv_b = DTYPE_BYTES[kv_dtype]
     d = _dims(cfg)
     hidden, inter, vocab, heads, kv_heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.kv_heads, d.head_dim
     tied, types, n_full, n_lin = d.tied, d.types, d.n_full, d.n_lin
@@ -345,7 +350,7 @@ def memory_plan(
     read_params = total_params if tied else total_params - emb["params"]
 
     # KV cache
-    kv_per_token = 2 * kv_heads * head_dim * act_b * n_full
+    kv_per_token = 2 * kv_heads * head_dim * kv_b * n_full
 
     # recurrent state
     gdn_state = conv_state = 0
@@ -398,7 +403,7 @@ def memory_plan(
         "weights_read_per_token": {"params": read_params, "bytes": read_bytes},
         "kv_cache": {
             "bytes_per_token": kv_per_token,
-            "dtype": compute_dtype,
+            "dtype": kv_dtype,
             "layers": n_full,
             "kv_heads": kv_heads,
             "head_dim": head_dim,

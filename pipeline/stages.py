@@ -103,7 +103,7 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
     limit = (target.capabilities or {}).get("max_buffer_bytes")
     factory = SplitFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
                            layout=layout, formats=dict(quant.formats), rotation=quant.rotation,
-                           ternary_source=quant.ternary_source,
+                           ternary_source=quant.ternary_source, kv_dtype=quant.kv_cache_dtype(target),
                            max_buffer_bytes=int(limit) if limit else None)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
@@ -443,6 +443,7 @@ def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, bui
     try:
         plan = memory_plan(loaded.hf_config, quant=scheme, group_modes=group_modes,
                            compute_dtype=build_info["metadata"]["activation_dtype"],
+                           kv_dtype=build_info["metadata"]["kv_cache"].get("dtype"),
                            prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None,
                            max_buffer_bytes=(target.capabilities or {}).get("max_buffer_bytes"))
     except ValueError as err:

@@ -52,6 +52,12 @@ def test_qwen27b_params_kv_state(qwen27b):
     assert p32["kv_cache"]["bytes_per_token"] == 128 * 1024
     assert p32["recurrent_state"]["gdn_bytes"] == st["gdn_bytes"]
     assert p32["recurrent_state"]["conv_bytes"] == 2 * st["conv_bytes"]
+    # the KV cache's own precision (the scheme's kv_cache) decides its bytes, not the compute dtype
+    p32_kv16 = memory_plan(qwen27b, quant="q0f16", compute_dtype="float32", kv_dtype="float16")
+    assert p32_kv16["kv_cache"]["bytes_per_token"] == 64 * 1024 and p32_kv16["kv_cache"]["dtype"] == "float16"
+    assert p32_kv16["recurrent_state"]["conv_bytes"] == p32["recurrent_state"]["conv_bytes"]
+    with pytest.raises(ValueError, match="kv_dtype"):
+        memory_plan(qwen27b, quant="q0f16", kv_dtype="int3")
 
 
 def test_qwen27b_q4_weights_and_phone(qwen27b):

@@ -92,6 +92,25 @@ def test_tiny_models_q0f32_match_transformers(tmp_path_factory, build_bundle, fa
     assert our_tokens == ref_tokens
 
 
+def test_fp16_kv_cache_matches_transformers(tmp_path_factory, build_bundle):
+    """The KV-cache precision on its own: fp32 weights and activations, keys / values (and the attention's
+    query and output) stored in fp16 (the scheme's `kv_cache: float16`, what host-cpu q4f16 / q8f16 / q0f16
+    get by default). Measured: max |Δlogit| 5.5e-4 x the logit scale over the prompt (5.0e-4 over 32 decode
+    steps; with q0f32's fp32 cache 7e-7); the bound is 3e-3, and greedy decode keeps the reference's tokens."""
+    folder, model = tiny_hf_model(tmp_path_factory.mktemp("kv16"), "llama")
+    scheme = tmp_path_factory.mktemp("scheme") / "q0f32_kv16.yaml"
+    scheme.write_text("name: q0f32_kv16\nweight_format: float\nweight_dtype: float32\nlayout: NK\n"
+                      "kv_cache: float16\n")
+    bundle = Bundle(build_bundle(folder, "host-cpu", str(scheme)))
+    ids = np.random.default_rng(1).integers(0, 512, PROMPT_LEN)
+    engine = bundle.engine()
+    ours, our_tokens = run_engine_greedy(engine, ids, DECODE_STEPS)
+    ref, ref_tokens = reference_greedy(model, ids, DECODE_STEPS)
+    assert engine.meta["kv_cache"]["dtype"] == "float16"
+    assert_close_logits(ours, ref, rel=3e-3)
+    assert our_tokens == ref_tokens
+
+
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2_gguf):
     from transformers import AutoModelForCausalLM
@@ -126,8 +145,9 @@ CHAT_PROMPTS = ("Explain why the sky is blue in a short paragraph.", "Write a sh
 
 
 def test_default_model_q4f16(build_bundle, smollm2_reference):
-    """q4f16 logits vs the same network on the bundle's own dequantized weights (≤ 2e-2), and agreement with
-    fp32.
+    """q4f16 logits vs the same network on the bundle's own dequantized weights (≤ 8e-2: measured 0.053 of a
+    logit scale of 40 with the default fp16 KV cache, 0.0145 with `kv_cache: float32`; measured with a fresh
+    cache per prompt, the two give the same top-1 agreement and KL below to 1e-4), and agreement with fp32.
 
     Teacher-forced on the fp32 model's own greedy answers to 6 chat prompts, 64 positions each. Measured,
     compiled: same top-1 69% over the 384 positions (per prompt 64–73%), mean KL 0.29 with calibrated
@@ -153,7 +173,7 @@ def test_default_model_q4f16(build_bundle, smollm2_reference):
             if i == 0:
                 ref_q = deq(torch.tensor([ids])).logits[0].numpy()
                 diff = float(np.abs(ours - ref_q).max())
-                assert diff <= 2e-2, f"q4f16 vs dequantized reference: max |Δ| {diff:.3g}"
+                assert diff <= 8e-2, f"q4f16 vs dequantized reference: max |Δ| {diff:.3g}"
         answer = slice(len(prompt) - 1, len(prompt) - 1 + 64)
         agree.append(float(np.mean(ours[answer].argmax(-1) == ref_f[answer].argmax(-1))))
         lp = torch.log_softmax(torch.from_numpy(ref_f[answer]).double(), -1)

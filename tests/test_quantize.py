@@ -105,3 +105,21 @@ def test_search_never_loses_to_max_over_7_and_wins_on_average():
     err_ours, err_mlc = ((ours - groups) ** 2).sum(-1), ((mlc - groups) ** 2).sum(-1)
     assert np.all(err_ours <= err_mlc * (1 + 1e-6))
     assert err_ours.sum() < 0.8 * err_mlc.sum()
+
+
+def test_kv_cache_precision_per_scheme_and_target(tmp_path):
+    """`kv_cache: auto` stores the cache in fp16 on every target (host-cpu computes in fp32 but keeps fp16
+    keys / values, like llama.cpp's default cache), except the fp32 reference scheme; an explicit value
+    wins; an unknown one is a config error naming the file."""
+    from pipeline.config import QuantSpec, load_quant, load_target
+    from pipeline.errors import ConfigError
+
+    cpu, gpu = load_target("host-cpu"), load_target("android-adreno")
+    for name in ("q4f16", "q8f16", "q0f16", "ternary_ptq"):
+        assert load_quant(name).kv_cache_dtype(cpu) == "float16"
+        assert load_quant(name).kv_cache_dtype(gpu) == "float16"
+    assert load_quant("q0f32").kv_cache_dtype(cpu) == "float32"
+    assert QuantSpec(name="x", weight_format="q4", kv_cache="float32").kv_cache_dtype(gpu) == "float32"
+    with pytest.raises(ConfigError, match="kv_cache") as err:
+        QuantSpec(name="x", weight_format="q4", kv_cache="int4", path=tmp_path / "x.yaml")
+    assert "x.yaml" in str(err.value)

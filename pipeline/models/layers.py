@@ -260,6 +260,11 @@ class LayerFactory:
     formats: dict[str, str] | None = None
     rotation: int = 0
     ternary_source: str = "native"   # native: import ternary weights exactly (refuse others) | ptq
+    kv_dtype: str | None = None      # the KV cache's storage dtype; None: the activation dtype
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     def format_for(self, role: str) -> str:
         return (self.formats or {}).get(role, self.weight_format)

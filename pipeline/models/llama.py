@@ -112,6 +112,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, make: LayerFactory, layer_id: int):
         self.cfg = cfg
         self.layer_id = layer_id
+        self.kv_dtype = make.kv_cache_dtype
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
         self.qkv_proj = make.linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias, role="qkv_proj")
         self.o_proj = make.linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False, role="o_proj")
@@ -127,7 +128,12 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k, v = op.split(qkv, [nq, nq + nkv], axis=2)
             qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        act = qkv.dtype
+        if act != self.kv_dtype:    # the cache stores (and its kernels read) its own dtype
+            qkv = qkv.astype(self.kv_dtype)
         out = kv.attention_with_fused_qkv(self.layer_id, qkv, nq, sm_scale=d**-0.5)
+        if out.dtype != act:
+            out = out.astype(act)
         return self.o_proj(op.reshape(out, (b, s, nq * d)))
 
 
@@ -183,6 +189,7 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: DecoderConfig, make: LayerFactory, target: Any):
         self.cfg = cfg
         self.dtype = make.dtype
+        self.kv_dtype = make.kv_cache_dtype
         self.target = target
         self.model = Backbone(cfg, make)
         if not cfg.tie_word_embeddings:
@@ -219,7 +226,7 @@ class DecoderLM(nn.Module):
         """The KV cache's RoPE settings, for the CPU RoPE kernel (cpu_rope.py)."""
         c, r = self.cfg, self.kv_rope()
         return rope_args(r["rope_theta"], r["rope_scale"], c.head_dim, c.num_attention_heads, c.num_key_value_heads,
-                         self.dtype, r["rope_scaling"], r["rotary_dim"])
+                         self.kv_dtype, r["rope_scaling"], r["rotary_dim"])
 
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
@@ -244,7 +251,7 @@ class DecoderLM(nn.Module):
             **self.kv_rope(),
             rope_ext_factors=_empty_ext_factors(),
             enable_disaggregation=False,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             target=self.target,
         )
 
@@ -282,6 +289,7 @@ class DecoderLM(nn.Module):
                 "num_attention_heads": c.num_attention_heads,
                 "num_key_value_heads": c.num_key_value_heads,
                 "head_dim": c.head_dim,
+                "dtype": self.kv_dtype,
             },
             "model_config": c.to_json(),
         }

@@ -165,6 +165,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 class GatedAttention(nn.Module):
     def __init__(self, cfg: HybridConfig, make: LayerFactory, kv_layer: int):
         self.cfg, self.kv_layer = cfg, kv_layer
+        self.kv_dtype = make.kv_cache_dtype
         nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = make.linear(cfg.hidden_size, 2 * nq * d + 2 * nkv * d, bias=cfg.attention_bias, role="qkv_proj")
         self.o_proj = make.linear(nq * d, cfg.hidden_size, bias=False, role="o_proj")
@@ -180,7 +181,12 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(op.reshape(k, (b, s, nkv, d)))
         qkv = op.concat([q, k, op.reshape(v, (b, s, nkv, d))], dim=2)
+        act = qkv.dtype
+        if act != self.kv_dtype:    # the cache stores (and its kernels read) its own dtype
+            qkv = qkv.astype(self.kv_dtype)
         out = kv.attention_with_fused_qkv(self.kv_layer, qkv, nq, sm_scale=d**-0.5)
+        if out.dtype != act:
+            out = out.astype(act)
         out = op.reshape(out * op.sigmoid(gate), (b, s, nq * d))
         return self.o_proj(out)
 
@@ -357,6 +363,7 @@ class HybridLM(DecoderLM):
 
     def __init__(self, cfg: HybridConfig, make: LayerFactory, target: Any):
         self.cfg, self.dtype, self.target = cfg, make.dtype, target
+        self.kv_dtype = make.kv_cache_dtype
         gpu, threads = _gpu_info(target)
         self.model = HybridBackbone(cfg, make, gpu, threads)
         if not cfg.tie_word_embeddings:
@@ -391,7 +398,7 @@ class HybridLM(DecoderLM):
             num_hidden_layers=n_full, num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads, qk_head_dim=c.head_dim, v_head_dim=c.head_dim,
             mla_original_qk_head_dim=0, mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL, **self.kv_rope(),
-            rope_ext_factors=_empty_ext_factors(), enable_disaggregation=False, dtype=self.dtype, target=self.target)
+            rope_ext_factors=_empty_ext_factors(), enable_disaggregation=False, dtype=self.kv_dtype, target=self.target)
 
     def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RecurrentState:
         return RecurrentState.create(len(self.cfg.linear_layers), self.cfg.rnn_states(self.dtype),
