@@ -16,7 +16,7 @@ def _build(args) -> int:
     report = Reporter()
     result = run_pipeline(args.model, args.target, args.quant, weights=args.weights, out=args.out,
                           report=report, phone=args.phone, force_cpu=args.force_cpu, verify=args.verify,
-                          calibration=args.calibration)
+                          calibration=args.calibration, kv_cache=args.kv_cache)
     how = "cache hit, nothing rebuilt" if result.cached else "built"
     report.console.print(f"[bold]{result.bundle}[/] — {how} in {result.seconds:.1f} s"
                          + ("" if result.has_weights else " (no weights given: library + configs only)"))
@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--calibration", default=None, metavar="none|builtin|FILE",
                    help="calibration text for q4/q8 tensors (overrides the scheme's `calibration`): none = "
                         "round-to-nearest (faster builds, lower quality), builtin, or a UTF-8 text file")
+    b.add_argument("--kv-cache", default=None, choices=("auto", "float16", "float32"),
+                   help="KV-cache precision (overrides the scheme's `kv_cache`): auto = fp16 except q0f32")
     b.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="run the GPU kernels on PoCL vs LLVM during the build (default: the target's "
                         "verify_kernels; on for android-adreno)")

@@ -520,11 +520,12 @@ def _with_calibration(quant: QuantSpec, calibration: str | None) -> QuantSpec:
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
                  report: Reporter | None = None, phone: str | dict | None = None,
                  force_cpu: str | None = None, verify: bool | None = None,
-                 calibration: str | None = None) -> BuildResult:
+                 calibration: str | None = None, kv_cache: str | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
     and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py).
     `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`).
-    `calibration`: none | builtin | a text file, replacing the scheme's calibration text (see calibrate.py)."""
+    `calibration`: none | builtin | a text file, replacing the scheme's calibration text (see calibrate.py).
+    `kv_cache`: auto | float16 | float32, replacing the scheme's KV-cache precision."""
     import dataclasses
 
     from .config import load_phone
@@ -536,13 +537,15 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     if phone is not None:
         target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
     quant_spec = _with_calibration(load_quant(quant), calibration)
+    if kv_cache is not None:   # checked like the YAML entry (QuantSpec.__post_init__)
+        quant_spec = dataclasses.replace(quant_spec, kv_cache=kv_cache)
     model_spec = load_model(model, weights)
     from .force_cpu import reasons
 
     forced = reasons(target_spec, force_cpu)   # an unknown op class fails here, before any work
     req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify,
                    *([quant_spec.calibration_spec.identity() if quant_spec.calibration_spec else None]
-                     if calibration is not None else [])])
+                     if calibration is not None else []), *([kv_cache] if kv_cache is not None else [])])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"
     onnx = is_onnx(model_spec)
     if onnx:

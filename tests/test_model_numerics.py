@@ -111,6 +111,25 @@ def test_fp16_kv_cache_matches_transformers(tmp_path_factory, build_bundle):
     assert our_tokens == ref_tokens
 
 
+def test_kv_cache_flag_overrides_the_scheme(tmp_path):
+    """`--kv-cache` (run_pipeline's kv_cache) replaces the scheme's precision: the same output folder is
+    rebuilt, not taken as current, and the bundle's KV cache has the asked dtype (its memory plan, written
+    from the library's metadata: a second library at the same path would not load in this process)."""
+    import json
+
+    from pipeline.progress import Reporter
+    from pipeline.stages import run_pipeline
+
+    folder, _ = tiny_hf_model(tmp_path, "llama", num_hidden_layers=1)
+    dtypes = []
+    for kv in (None, "float32"):
+        result = run_pipeline(str(folder), "host-cpu", "q0f16", out=str(tmp_path / "dist"), kv_cache=kv,
+                              report=Reporter(quiet=True))
+        assert not result.cached
+        dtypes.append(json.loads((result.bundle / "reports" / "memory.json").read_text())["kv_cache"]["dtype"])
+    assert dtypes == ["float16", "float32"]
+
+
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2_gguf):
     from transformers import AutoModelForCausalLM
