@@ -112,13 +112,13 @@ def gguf_decode_bytes(path: Path) -> dict[str, Any]:
     embd = sizes.get("token_embd.weight", 0)
     total = sum(sizes.values())
     read = total if tied else total - embd
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode() if "general.architecture" in \
+        reader.fields else "llama"
 
     def field(key: str) -> int | None:
         f = reader.fields.get(f"{arch}.{key}")
         return None if f is None else int(f.parts[f.data[0]][0])
 
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode() if "general.architecture" in \
-        reader.fields else "llama"
     kv_position = None
     layers, heads, kv_heads = field("block_count"), field("attention.head_count"), field("attention.head_count_kv")
     if layers and heads:

@@ -128,13 +128,18 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k, v = op.split(qkv, [nq, nq + nkv], axis=2)
             qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
-        act = qkv.dtype
-        if act != self.kv_dtype:    # the cache stores (and its kernels read) its own dtype
-            qkv = qkv.astype(self.kv_dtype)
-        out = kv.attention_with_fused_qkv(self.layer_id, qkv, nq, sm_scale=d**-0.5)
-        if out.dtype != act:
-            out = out.astype(act)
+        out = cached_attention(kv, self.layer_id, qkv, nq, d, self.kv_dtype)
         return self.o_proj(op.reshape(out, (b, s, nq * d)))
+
+
+def cached_attention(kv: PagedKVCache, layer: int, qkv: Tensor, nq: int, d: int, kv_dtype: str) -> Tensor:
+    """The paged KV cache's attention over fused q/k/v, in the activations' dtype: the cache stores (and its
+    kernels read) `kv_dtype`, so q/k/v go in cast to it and the output comes back cast from it."""
+    act = qkv.dtype
+    if act != kv_dtype:
+        qkv = qkv.astype(kv_dtype)
+    out = kv.attention_with_fused_qkv(layer, qkv, nq, sm_scale=d**-0.5)
+    return out.astype(act) if out.dtype != act else out
 
 
 class MLP(nn.Module):

@@ -30,7 +30,15 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from ..errors import ConfigError
 from .gdn_kernels import gdn_decode, gdn_prefill
 from .layers import LayerFactory
-from .llama import MLP, DecoderLM, _empty_ext_factors, _last_token, _shape_expr, kv_cache_spec
+from .llama import (
+    MLP,
+    DecoderLM,
+    _empty_ext_factors,
+    _last_token,
+    _shape_expr,
+    cached_attention,
+    kv_cache_spec,
+)
 from .recurrent_state import RecurrentState
 
 ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5"}
@@ -181,12 +189,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(op.reshape(k, (b, s, nkv, d)))
         qkv = op.concat([q, k, op.reshape(v, (b, s, nkv, d))], dim=2)
-        act = qkv.dtype
-        if act != self.kv_dtype:    # the cache stores (and its kernels read) its own dtype
-            qkv = qkv.astype(self.kv_dtype)
-        out = kv.attention_with_fused_qkv(self.kv_layer, qkv, nq, sm_scale=d**-0.5)
-        if out.dtype != act:
-            out = out.astype(act)
+        out = cached_attention(kv, self.kv_layer, qkv, nq, d, self.kv_dtype)
         out = op.reshape(out * op.sigmoid(gate), (b, s, nq * d))
         return self.o_proj(out)
 
