@@ -28,7 +28,7 @@ RELEASE_OUT ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile llamacpp release release-matrix
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead llamacpp release release-matrix
 
 setup: $(STAMP)
 
@@ -134,6 +134,11 @@ bench-read-floor: $(STAMP)
 # Where the decode step's time goes, per kernel and per thread, from Linux perf samples (benchmarks/decode_profile.py).
 bench-decode-profile: $(STAMP)
 	$(PY) benchmarks/decode_profile.py $(BUNDLE) $(PROFILE_ARGS)
+
+# What a decode step costs outside the library's decode function, and the cold caches behind it
+# (benchmarks/host_overhead.py).
+bench-host-overhead: $(STAMP)
+	$(PY) benchmarks/host_overhead.py $(BUNDLE)
 
 clean:
 	rm -rf .cache dist/*/
