@@ -6,9 +6,11 @@ Three measurements on one host-cpu bundle, in one process, greedy tokens after a
 2. the same tiny TVM call (a 4-byte copy into a tensor) timed four times in a row right after a decode
    step, and after a streaming read of as many bytes as the step's weights with no decode at all: the
    first call pays for caches the weights' stream evicted;
-3. side by side, alternated: the engine's decode loop against a loop of begin_forward / decode /
-   end_forward alone (the same embedding every step, no logits read back: not a valid decode, only the
-   upper bound of what folding embed + argmax into the library's step could save).
+3. side by side, alternated, against the engine's logits loop (`Engine.decode` + numpy's argmax, what
+   sampling with a temperature runs): `Engine.decode_greedy` (the library's embed + decode + argmax in one
+   call, what `pipeline run` and the speed benchmark time for greedy decoding) and a loop of begin_forward /
+   decode / end_forward alone (the same embedding every step, no logits read back: not a valid decode, the
+   upper bound of what the host side of a step could still give).
 
     .venv/bin/python benchmarks/host_overhead.py dist/smollm2-135m-q4f16-host-cpu [--rounds 8]
 """
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--ctx", type=int, default=128, help="prompt tokens before each decode run")
-    ap.add_argument("--rounds", type=int, default=8, help="alternated pairs for the upper bound")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of the three decode loops")
     args = ap.parse_args(argv)
 
     from pipeline.lean_runtime import enter_runtime_process
@@ -118,29 +120,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"4-byte tensor copy, 1st..4th call {what}: "
               + " / ".join(f"{v:.1f}" for v in np.median(np.asarray(times), axis=0)) + " us")
 
-    # 3. upper bound of folding embed + argmax into the step
-    def tok_s(lean: bool) -> float:
+    # 3. the greedy step and the upper bound, against the logits loop
+    def tok_s(loop: str) -> float:
         token = start()
         emb = embed(tvm.runtime.tensor(np.asarray([token], dtype="int32"), engine.device), engine._param_array)
         emb = emb._create_view((1, 1, emb.shape[-1]))
         t = time.perf_counter()
         for _ in range(STEPS):
-            if lean:
+            if loop == "bare":
                 begin(engine.kv, first, one)
                 _, engine.kv = decode(emb, engine.kv, engine._param_array)
                 end(engine.kv)
                 engine.length += 1
+            elif loop == "greedy":
+                token = engine.decode_greedy(token)
             else:
                 token = int(np.argmax(engine.decode(token)))
         return STEPS / (time.perf_counter() - t)
 
-    ratios = []
+    loops = ("logits", "greedy", "bare")
+    ratios: dict[str, list[float]] = {"greedy": [], "bare": []}
     for r in range(args.rounds):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        got = {lean: tok_s(lean) for lean in order}
-        ratios.append(got[True] / got[False])
-    print(f"begin/decode/end alone vs the engine's loop: {np.median(ratios):.3f}x median "
-          f"({min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} alternated pairs)")
+        order = loops[r % 3:] + loops[:r % 3]
+        got = {loop: tok_s(loop) for loop in order}
+        for loop in ratios:
+            ratios[loop].append(got[loop] / got["logits"])
+    for loop, what in (("greedy", "Engine.decode_greedy (one library call)"),
+                       ("bare", "begin/decode/end alone (upper bound)")):
+        rs = ratios[loop]
+        print(f"{what} vs the logits loop: {np.median(rs):.3f}x median ({min(rs):.3f}-{max(rs):.3f}, "
+              f"{args.rounds} rounds, order rotated)")
     return 0
 
 

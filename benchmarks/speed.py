@@ -302,7 +302,7 @@ def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, d
     ids = prompt_ids(max(prefill), int(loaded.config["vocab_size"]), seed)
     engine.reset()                                       # warm-up at the measured length, as llama-bench's
     engine.prefill(ids[:first])                          # own warm-up run: kernels load lazily, workspaces
-    engine.decode(ids[0])                                # grow to the prompt's size on first use
+    engine.decode_greedy(ids[0])                         # grow to the prompt's size on first use
     out: dict[str, Any] = {"load_s": load_s, "ttft_s": [], "decode_tok_s": [],
                            "prefill_tok_s": {str(n): [] for n in prefill}}
     for _ in range(reps):
@@ -315,7 +315,7 @@ def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, d
         if decode:
             t = time.perf_counter()
             for _ in range(decode):
-                token = int(np.argmax(engine.decode(token)))
+                token = engine.decode_greedy(token)      # embed + decode + argmax: one library call
             out["decode_tok_s"].append(decode / (time.perf_counter() - t))
     out["decode_rss_bytes"] = vm_hwm_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for n in longer:
@@ -675,11 +675,12 @@ def markdown(res: dict[str, Any]) -> str:
                  f" — the machine's bandwidth moved during the run (worst probe {bw['drift']:.0%} of the best)"
                  if bw["drift"] < 0.8 else "") + "." if bw.get("probes") else ""), "",
              "Figures: median (min–max) over the repetitions. Decode: greedy tokens right after the first (shortest) "
-             "prompt (ours) / llama-bench tg after as many cached tokens (-d, llama.cpp; from an empty context in the "
+             "prompt (ours: `Engine.decode_greedy`, one library call per token; on a library without it, decode + "
+             "numpy's argmax) / llama-bench tg after as many cached tokens (-d, llama.cpp; from an empty context in the "
              "JSON's decode_tok_s_empty_context). TTFT: prefill of the shortest prompt "
              "(+ argmax); llama.cpp's is derived as n / pp<n>. Roofline: decode tok/s × bytes read per token (the "
              "weights' `bytes/token` + the KV cache's mean over the decode run, `KV MB/token`: ours in the "
-             "bundle's cache dtype, fp32 on host-cpu; llama.cpp's f16) / bandwidth (the run's best probe; \"near\": the better of the short probes taken right before and "
+             "bundle's cache dtype; llama.cpp's f16) / bandwidth (the run's best probe; \"near\": the better of the short probes taken right before and "
              "after that row's measurement, the same minutes). RSS in MiB: through decode (ours: the child's peak after its decode runs; llama.cpp: a "
              "decode-only llama-bench process, -p 0 -n 16) and the whole process. Our processes run Python + TVM's "
              "runtime; llama-bench is one C++ binary with the GGUF mmapped.", ""]

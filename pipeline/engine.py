@@ -19,6 +19,7 @@ from tvm.runtime import ShapeTuple
 from tvm.runtime.vm import VirtualMachine
 
 PAGE_SIZE = 16
+GREEDY_ENTRY = "decode_greedy"     # models/llama.py's name for it (not imported: this module needs no compiler)
 
 
 class MissingWeightsError(KeyError):
@@ -28,6 +29,12 @@ class MissingWeightsError(KeyError):
 @functools.cache
 def _builtin(name: str):
     return tvm_ffi.get_global_func(name)
+
+
+@functools.cache
+def _shape(n: int) -> ShapeTuple:
+    """ShapeTuple([n]), made once: each is an FFI object, and a step's calls run on cold caches."""
+    return ShapeTuple([n])
 
 
 class Engine:
@@ -60,6 +67,9 @@ class Engine:
         self.context = int(self.meta["context_window_size"])
         self.hybrid = self.meta.get("kv_state_kind") == "hybrid"
         self.kv = self.rnn = None
+        self._has_greedy = self.vm.module.implements_function(GREEDY_ENTRY)
+        self._token_id = np.zeros(1, dtype="int32")
+        self._greedy_ids, self._greedy_next = None, -1      # decode_greedy's last output and its id
         self.reset()
 
     def reset(self) -> None:
@@ -79,18 +89,22 @@ class Engine:
         return [self.kv, self.rnn] if self.hybrid else [self.kv]
 
     def _forward(self, fn: str, ids: list[int]) -> np.ndarray:
-        if self.length + len(ids) > self.context:
-            raise RuntimeError(f"context window of {self.context} tokens is full")
         emb = self._fn("embed")(tvm.runtime.tensor(np.asarray(ids, dtype="int32"), self.device), self._param_array)
         emb = emb._create_view((1, len(ids), emb.shape[-1]))   # [n, h] -> [1, n, h], no copy
+        return self._step(fn, emb, len(ids)).numpy()
+
+    def _step(self, fn: str, first: Any, n: int) -> Any:
+        """Run `fn` (first argument, then the states and weights) over n new positions; its first output."""
+        if self.length + n > self.context:
+            raise RuntimeError(f"context window of {self.context} tokens is full")
         for state in self.states:
-            _builtin("vm.builtin.kv_state_begin_forward")(state, ShapeTuple([0]), ShapeTuple([len(ids)]))
-        logits, *states = self._fn(fn)(emb, *self.states, self._param_array)
+            _builtin("vm.builtin.kv_state_begin_forward")(state, _shape(0), _shape(n))
+        out, *states = self._fn(fn)(first, *self.states, self._param_array)
         self.kv, self.rnn = (states + [None])[:2]
         for state in self.states:
             _builtin("vm.builtin.kv_state_end_forward")(state)
-        self.length += len(ids)
-        return logits.numpy()
+        self.length += n
+        return out
 
     def _fn(self, name: str) -> Any:
         if name not in self._fns:
@@ -108,3 +122,16 @@ class Engine:
 
     def decode(self, token: int) -> np.ndarray:
         return self._forward("decode", [token])[0, -1]
+
+    def decode_greedy(self, token: int) -> int:
+        """The id after `token` by argmax of its logits: one call of the library's `decode_greedy` (CPU
+        targets), which embeds, decodes and takes the argmax without the logits leaving it; a library
+        without it (GPU targets, older bundles) decodes and takes numpy's argmax — the same id."""
+        if not self._has_greedy:
+            return int(np.argmax(self.decode(token)))
+        if token != self._greedy_next:    # else the previous step's output tensor already holds it
+            self._token_id[0] = token
+            self._greedy_ids = tvm.runtime.tensor(self._token_id, self.device)
+        self._greedy_ids = self._step(GREEDY_ENTRY, self._greedy_ids, 1)
+        self._greedy_next = int(self._greedy_ids.numpy()[0])
+        return self._greedy_next

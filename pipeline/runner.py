@@ -93,7 +93,8 @@ def generate(bundle: Bundle, prompt: str, *, max_new_tokens: int = 128, temperat
         printed = text
         if len(out) >= max_new_tokens or engine.length >= engine.context:
             break
-        token = sample(engine.decode(token), temperature, top_p, rng)
+        token = (engine.decode_greedy(token) if temperature <= 0
+                 else sample(engine.decode(token), temperature, top_p, rng))
     t_end = time.perf_counter()
     if stream is not None:
         stream.write("\n")

@@ -158,6 +158,44 @@ def test_default_model_q0f32_matches_transformers(build_bundle, smollm2_referenc
     assert our_tokens == ref_tokens
 
 
+def test_greedy_step_matches_argmax_of_decode(tmp_path_factory, build_bundle):
+    """A CPU library's decode_greedy (embed + decode + argmax in one call, the id back instead of the logits)
+    picks the ids numpy's argmax of decode's logits picks, and the reference's; an engine over a library
+    without it (GPU targets, older bundles) takes that argmax itself, with the same ids."""
+    from pipeline import engine as engine_module
+    from pipeline.models.llama import GREEDY_ENTRY
+
+    assert engine_module.GREEDY_ENTRY == GREEDY_ENTRY
+    folder, model = tiny_hf_model(tmp_path_factory.mktemp("greedy"), "qwen3")
+    engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()
+    assert engine.vm.module.implements_function(GREEDY_ENTRY)
+    ids = np.random.default_rng(2).integers(0, 512, PROMPT_LEN)
+    _, plain = run_engine_greedy(engine, ids, DECODE_STEPS)
+
+    def greedy_run() -> list[int]:
+        engine.reset()
+        tokens = [int(np.argmax(engine.prefill(list(ids))))]
+        while len(tokens) < DECODE_STEPS:
+            tokens.append(engine.decode_greedy(tokens[-1]))
+        assert engine.length == PROMPT_LEN + DECODE_STEPS - 1
+        return tokens
+
+    assert greedy_run() == plain == reference_greedy(model, ids, DECODE_STEPS)[1]
+    engine._has_greedy = False        # what a library without the entry point gets
+    assert greedy_run() == plain
+
+
+def test_greedy_entry_only_on_cpu_targets():
+    """GPU libraries keep MLC's entry points only: their argmax would need a device schedule."""
+    import tvm
+
+    from pipeline.models.llama import has_greedy_entry
+
+    assert has_greedy_entry(tvm.target.Target({"kind": "llvm"}))
+    assert not has_greedy_entry(tvm.target.Target({"kind": "opencl"}))
+    assert not has_greedy_entry(tvm.target.Target({"kind": "metal"}))
+
+
 CHAT_PROMPTS = ("Explain why the sky is blue in a short paragraph.", "Write a short poem about the sea.",
                 "What are three tips for staying healthy?", "Describe how a bicycle works.",
                 "Give me a recipe for pancakes.", "What is the difference between a virus and a bacterium?")

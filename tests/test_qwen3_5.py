@@ -145,6 +145,21 @@ def test_q0f32_matches_transformers(random_model, build_bundle, chunk):
     assert got_tokens == ref_tokens
 
 
+def test_greedy_step_keeps_the_recurrent_state(random_model, build_bundle):
+    """decode_greedy (embed + decode + argmax in one call) carries the GDN states like decode: the same
+    ids as numpy's argmax of decode's logits, step for step."""
+    folder, model = random_model
+    engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()
+    assert engine.vm.module.implements_function("decode_greedy")
+    ids = np.random.default_rng(3).integers(0, VOCAB, PROMPT_LEN)
+    _, _, plain = ours(engine, ids, DECODE_STEPS)
+    engine.reset()
+    greedy = [int(np.argmax(engine.prefill(list(ids))))]
+    while len(greedy) < DECODE_STEPS:
+        greedy.append(engine.decode_greedy(greedy[-1]))
+    assert greedy == plain == reference(model, ids, DECODE_STEPS)[2]
+
+
 def test_reset_starts_a_fresh_state(random_model, build_bundle):
     folder, _ = random_model
     engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()

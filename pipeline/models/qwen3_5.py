@@ -31,12 +31,15 @@ from ..errors import ConfigError
 from .gdn_kernels import gdn_decode, gdn_prefill
 from .layers import LayerFactory
 from .llama import (
+    GREEDY_ENTRY,
     MLP,
     DecoderLM,
     _empty_ext_factors,
     _last_token,
     _shape_expr,
     cached_attention,
+    greedy_token,
+    has_greedy_entry,
     kv_cache_spec,
 )
 from .recurrent_state import RecurrentState
@@ -384,6 +387,11 @@ class HybridLM(DecoderLM):
         h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
         return self._logits(h), paged_kv_cache, rnn_state
 
+    def decode_greedy(self, input_ids: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
+        """DecoderLM.decode_greedy with the recurrent state."""
+        h, rnn_state = self.model(self._step_embed(input_ids), paged_kv_cache, rnn_state)
+        return greedy_token(self._logits(h), self.cfg.vocab_size), paged_kv_cache, rnn_state
+
     def kv_rope(self) -> dict[str, Any]:
         """Partial RoPE (the first rotary_dim dims), no scaling."""
         c = self.cfg
@@ -422,6 +430,8 @@ class HybridLM(DecoderLM):
             "prefill": step("seq_len"),
             "prefill_all_logits": step("seq_len"),
             "decode": step(1),
+            **({GREEDY_ENTRY: {"input_ids": nn.spec.Tensor([1], "int32"), "paged_kv_cache": kv, "rnn_state": rnn,
+                               **packed}} if has_greedy_entry(self.target) else {}),
             "create_tir_paged_kv_cache": kv_cache_spec(),
             "create_rnn_state": {"max_batch_size": int, "max_history": int,
                                  "$": {"param_mode": "none", "effect_mode": "none"}},
