@@ -129,7 +129,7 @@ class Engine:
         without it (GPU targets, older bundles) decodes and takes numpy's argmax — the same id."""
         if not self._has_greedy:
             return int(np.argmax(self.decode(token)))
-        if token != self._greedy_next:    # else the previous step's output tensor already holds it
+        if self._greedy_ids is None or token != self._greedy_next:   # else the last output already holds it
             self._token_id[0] = token
             self._greedy_ids = tvm.runtime.tensor(self._token_id, self.device)
         self._greedy_ids = self._step(GREEDY_ENTRY, self._greedy_ids, 1)
