@@ -42,9 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     enter_runtime_process()
     import numpy as np
     import tvm
-    from tvm.runtime import ShapeTuple
 
-    from pipeline.engine import _builtin
+    from pipeline.engine import _builtin, _shape
     from pipeline.runner import Bundle
 
     loaded = Bundle(args.bundle)
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [(7 + 31 * i) % int(loaded.config["vocab_size"]) for i in range(args.ctx)]
     begin, end = _builtin("vm.builtin.kv_state_begin_forward"), _builtin("vm.builtin.kv_state_end_forward")
     embed, decode = engine._fn("embed"), engine._fn("decode")
-    first, one = ShapeTuple([0]), ShapeTuple([1])
+    first, one = _shape(0), _shape(1)
     ids = tvm.runtime.tensor(np.zeros(1, dtype="int32"), engine.device)
     host_id = np.zeros(1, dtype="int32")
 

@@ -68,7 +68,6 @@ class Engine:
         self.hybrid = self.meta.get("kv_state_kind") == "hybrid"
         self.kv = self.rnn = None
         self._has_greedy = self.vm.module.implements_function(GREEDY_ENTRY)
-        self._token_id = np.zeros(1, dtype="int32")
         self._greedy_ids, self._greedy_next = None, -1      # decode_greedy's last output and its id
         self.reset()
 
@@ -130,8 +129,7 @@ class Engine:
         if not self._has_greedy:
             return int(np.argmax(self.decode(token)))
         if self._greedy_ids is None or token != self._greedy_next:   # else the last output already holds it
-            self._token_id[0] = token
-            self._greedy_ids = tvm.runtime.tensor(self._token_id, self.device)
+            self._greedy_ids = tvm.runtime.tensor(np.asarray([token], dtype="int32"), self.device)
         self._greedy_ids = self._step(GREEDY_ENTRY, self._greedy_ids, 1)
         self._greedy_next = int(self._greedy_ids.numpy()[0])
         return self._greedy_next

@@ -188,6 +188,13 @@ def has_greedy_entry(target: Any) -> bool:
     return target.kind.name == "llvm"
 
 
+def greedy_entry_spec(target: Any, states: dict[str, Any], packed: dict[str, Any]) -> dict[str, Any]:
+    """The export spec's `decode_greedy` entry (a token id, then the model's states), on CPU targets only."""
+    if not has_greedy_entry(target):
+        return {}
+    return {GREEDY_ENTRY: {"input_ids": nn.spec.Tensor([1], "int32"), **states, **packed}}
+
+
 def greedy_token(logits: Tensor, vocab_size: int) -> Tensor:
     """One step's logits [1, 1, V] -> the [1] int32 id of the largest (the first of equals, like numpy)."""
     return op.tensor_ir_op(argmax_kernel(vocab_size), "greedy_argmax", [op.reshape(logits, [vocab_size])],
@@ -298,8 +305,7 @@ class DecoderLM(nn.Module):
                                    "paged_kv_cache": kv, **packed},
             "decode": {"input_embed": nn.spec.Tensor([1, 1, h], self.dtype),
                        "paged_kv_cache": kv, **packed},
-            **({GREEDY_ENTRY: {"input_ids": nn.spec.Tensor([1], "int32"), "paged_kv_cache": kv, **packed}}
-               if has_greedy_entry(self.target) else {}),
+            **greedy_entry_spec(self.target, {"paged_kv_cache": kv}, packed),
             "create_tir_paged_kv_cache": kv_cache_spec(),
         }
 

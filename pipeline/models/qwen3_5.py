@@ -31,15 +31,14 @@ from ..errors import ConfigError
 from .gdn_kernels import gdn_decode, gdn_prefill
 from .layers import LayerFactory
 from .llama import (
-    GREEDY_ENTRY,
     MLP,
     DecoderLM,
     _empty_ext_factors,
     _last_token,
     _shape_expr,
     cached_attention,
+    greedy_entry_spec,
     greedy_token,
-    has_greedy_entry,
     kv_cache_spec,
 )
 from .recurrent_state import RecurrentState
@@ -430,8 +429,7 @@ class HybridLM(DecoderLM):
             "prefill": step("seq_len"),
             "prefill_all_logits": step("seq_len"),
             "decode": step(1),
-            **({GREEDY_ENTRY: {"input_ids": nn.spec.Tensor([1], "int32"), "paged_kv_cache": kv, "rnn_state": rnn,
-                               **packed}} if has_greedy_entry(self.target) else {}),
+            **greedy_entry_spec(self.target, {"paged_kv_cache": kv, "rnn_state": rnn}, packed),
             "create_tir_paged_kv_cache": kv_cache_spec(),
             "create_rnn_state": {"max_batch_size": int, "max_history": int,
                                  "$": {"param_mode": "none", "effect_mode": "none"}},
