@@ -616,6 +616,12 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Largest single tensor: `{big['name']}`, {_fmt_bytes(big['bytes'])} "
                   f"({'fits' if big['fits'] else 'EXCEEDS'} the max single allocation of "
                   f"{_fmt_bytes(big['max_buffer_bytes'])})."]
+    regions = report.get("cpu_regions")
+    if regions and regions.get("regions"):
+        per_fn = "; ".join(f"{fn} {c['kernels']} -> {c['calls']}" for fn, c in regions["calls_per_step"].items())
+        lines += ["", f"CPU regions: the kernels between two KV-cache calls share one thread-pool launch "
+                  f"(barriers between them; {len(regions['regions'])} region kernels). Kernel calls per step: "
+                  f"{per_fn}."]
     for sp in report.get("splits") or []:
         lines += ["", f"Split: {sp['message']}; rows per part {sp['rows']}."]
     acc = s.get("crossings", {}).get("accelerator", "GPU")

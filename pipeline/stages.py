@@ -293,9 +293,22 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         _record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
         coverage["splits"] = list(defined.splits)
         coverage["largest_parameter"] = _largest_parameter(defined, target)
+        if not target.is_gpu and not target.npu:   # after the report: it lists the kernels, not the regions
+            mod, coverage["cpu_regions"] = merge_cpu_regions(mod)
         write_coverage(coverage, tmp)
         info = compile_library(mod, meta, schedules, target, prefix, key, tmp, report)
     return out, info
+
+
+def merge_cpu_regions(mod: Any) -> tuple[Any, dict[str, Any]]:
+    """The decode step's runs of CPU kernels as one parallel region each (cpu_regions.py). Reshapes that
+    lowering turns into views are rewritten first, so that they stay views."""
+    import tvm
+    from tvm import relax
+
+    from .cpu_regions import merge_regions
+
+    return merge_regions(tvm.transform.Sequential([relax.transform.RewriteDataflowReshape()])(mod))
 
 
 def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], target: TargetSpec, prefix: str,

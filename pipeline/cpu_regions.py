@@ -1,0 +1,288 @@
+"""One parallel region per run of CPU kernels in a decode step.
+
+The kernels between two KV-cache calls (o_proj, residual add, RMSNorm, gate_up, SiLU * up, down, add, the
+next layer's RMSNorm and QKV: 11 calls per layer) become one kernel whose threads meet at barriers instead
+of returning to the VM after each: a decode step makes ~2 library calls per layer instead of ~12.
+
+Why: in a bandwidth-bound decode step the time between kernels has no weights in flight, and after every
+weight stream (more than the L3) the VM's code and data are cold. Inside one parallel launch the next
+kernel starts right after a spinning barrier, with nothing of the host in between.
+
+How: each kernel's top-level statements are either parallel loops (kept as they are) or serial work (run
+by task 0 only); a barrier follows each stretch. The buffers the kernels allocate at their top level, and
+every tensor passed from one kernel of the run to the next, are allocated once before the launch and
+shared by the threads. Only `call_tir`s with static shapes, of kernels whose parallel loops are all at
+their top level and whose other top-level statements are plain loops / stores / conditions, are merged;
+anything else ends the run. The kernels' code is unchanged, so the results are bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tvm
+from tvm import relax, tirx
+from tvm.s_tir import SBlockRealize, renew_defs
+
+LAUNCH = "pragma_parallel_launch_point"        # TVM's CPU codegen: one thread-pool launch for the body
+BARRIER = "pragma_parallel_barrier_when_finish"  # ... and all tasks wait here after the statement
+DECODE_FUNCTIONS = ("decode", "decode_greedy")  # static shapes: one token
+# serial statements that can move into task 0's branch without changing what later statements see
+_SERIAL_OK = (tirx.For, tirx.BufferStore, tirx.IfThenElse, tirx.Evaluate, SBlockRealize)
+
+
+def _flatten(stmt: tirx.Stmt) -> list[tirx.Stmt]:
+    return [s for part in stmt.seq for s in _flatten(part)] if isinstance(stmt, tirx.SeqStmt) else [stmt]
+
+
+def _seq(stmts: list[tirx.Stmt]) -> tirx.Stmt:
+    return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
+
+
+def _has_parallel(stmt: tirx.Stmt) -> bool:
+    """Whether a parallel loop sits anywhere in `stmt` (this TVM has no Python statement visitor; its
+    printed form names every parallel loop `T.parallel(`)."""
+    return "T.parallel(" in stmt.script()
+
+
+def _is_parallel(stmt: tirx.Stmt) -> bool:
+    return isinstance(stmt, tirx.For) and stmt.kind == tirx.ForKind.PARALLEL
+
+
+def split_kernel(func: tirx.PrimFunc) -> tuple[list[Any], list[tirx.Stmt]] | None:
+    """(buffers the kernel allocates at its top level, its other top-level statements), or None when the
+    kernel cannot join a shared launch (a parallel loop below the top level, a top-level binding)."""
+    body, allocs = func.body, []
+    if isinstance(body, SBlockRealize):
+        block = body.block
+        if block.match_buffers or block.init is not None or block.iter_vars:
+            return None
+        allocs += list(block.alloc_buffers)
+        body = block.body
+    stmts = []
+    for stmt in _flatten(body):
+        if isinstance(stmt, tirx.AllocBuffer):
+            allocs.append(stmt.buffer)
+        elif _is_parallel(stmt) and not _has_parallel(stmt.body):
+            stmts.append(stmt)
+        elif isinstance(stmt, _SERIAL_OK) and not _is_parallel(stmt) and not _has_parallel(stmt):
+            stmts.append(stmt)
+        else:
+            return None
+    return allocs, stmts
+
+
+def _static_shape(ty) -> tuple[int, ...] | None:
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    dims = ty.shape.values
+    return tuple(int(d) for d in dims) if all(isinstance(d, tirx.IntImm) for d in dims) else None
+
+
+def _buffer(ty: relax.TensorType, name: str):
+    """A buffer for a static-shape Relax tensor, with the int64 dims of Relax's kernels."""
+    return tirx.decl_buffer([tirx.IntImm("int64", d) for d in _static_shape(ty)], ty.dtype, name)
+
+
+def _barriered(stmts: list[tirx.Stmt]) -> list[tirx.Stmt]:
+    """Parallel loops as they are, each stretch of serial statements in task 0's branch of a 2-task loop
+    (any pool size: the loop's first iteration runs once), a barrier after each."""
+    out, serial = [], []
+
+    def flush():
+        if serial:
+            task = tirx.Var("serial_task", "int32")
+            body = _seq(list(serial))
+            out.append(tirx.For(task, 0, 2, tirx.ForKind.PARALLEL, tirx.IfThenElse(task == 0, body, None)))
+            serial.clear()
+
+    for stmt in stmts:
+        if _is_parallel(stmt):
+            flush()
+            out.append(stmt)
+        else:
+            serial.append(stmt)
+    flush()
+    return [tirx.AttrStmt(0, BARRIER, 1, s) for s in out]
+
+
+class Run:
+    """Consecutive bindings of a dataflow block: `call_tir`s and the `TupleGetItem`s that pick outputs of a
+    multi-output one. A tensor is named by its slot: a tensor call's var, or (tuple var, index)."""
+
+    def __init__(self, bindings: list[relax.VarBinding], uses: dict):
+        self.bindings = bindings
+        self.calls = [b for b in bindings if isinstance(b.value, relax.Call)]
+        self.alias = {b.var: (b.value.tuple_value, b.value.index) for b in bindings
+                      if isinstance(b.value, relax.TupleGetItem)}
+        self.types: dict = {}         # slot -> TensorType, in the order made
+        for b in self.calls:
+            ty = b.var.ty
+            fields = ty.fields if isinstance(ty, relax.TupleType) else None
+            self.types.update({(b.var, i): f for i, f in enumerate(fields)} if fields else {b.var: ty})
+        inside: dict = {}
+        for b in bindings:
+            for ref in self.references(b):
+                inside[ref] = inside.get(ref, 0) + 1
+        outside = {v for v in [*(b.var for b in bindings)]
+                   if uses.get(v, 0) > inside.get(v, 0) or not isinstance(v, relax.DataflowVar)}
+        # a tuple used as a whole after the run has no single tensor to hand back: no region then
+        self.valid = not any(isinstance(v.ty, relax.TupleType) for v in outside)
+        self.public: dict = {}        # slot -> the vars the rest of the function reads it by
+        for v in outside:
+            self.public.setdefault(self.slot(v), []).append(v)
+        self.inputs: list = []
+        for b in self.calls:
+            for arg in b.value.args[1].fields:
+                if self.slot(arg) not in self.types and arg not in self.inputs:
+                    self.inputs.append(arg)
+        self.outputs = [slot for slot in self.types if slot in self.public]
+
+    @staticmethod
+    def references(b: relax.VarBinding) -> list:
+        return [b.value.tuple_value] if isinstance(b.value, relax.TupleGetItem) else list(b.value.args[1].fields)
+
+    def slot(self, var):
+        return self.alias.get(var, var)
+
+    def call_slots(self, b: relax.VarBinding) -> list:
+        """A call's arguments then its outputs, as slots."""
+        outs = [s for s in self.types if (s[0] if isinstance(s, tuple) else s).same_as(b.var)]
+        return [self.slot(a) for a in b.value.args[1].fields] + outs
+
+    def wiring(self) -> tuple:
+        """What makes two runs the same kernel: the callees, which earlier tensor feeds each argument, the
+        shapes, the outputs (the 30 layers of a model share one region kernel)."""
+        number = {slot: ("in", i) for i, slot in enumerate(self.inputs)}
+        number.update({slot: ("made", i) for i, slot in enumerate(self.types)})
+        key = tuple((b.value.args[0].name_hint, tuple(number[s] for s in self.call_slots(b)),
+                     tuple(_static_shape(self._type(s)) for s in self.call_slots(b))) for b in self.calls)
+        return key, tuple(number[s] for s in self.outputs)
+
+    def _type(self, slot):
+        return self.types.get(slot) or slot.ty
+
+
+def merge_run(mod: tvm.IRModule, run: Run) -> tirx.PrimFunc:
+    """One PrimFunc for a run; parameters: the run's inputs, then its outputs."""
+    buffers = {v: _buffer(v.ty, f"in{i}") for i, v in enumerate(run.inputs)}
+    buffers.update({slot: _buffer(ty, f"t{i}") for i, (slot, ty) in enumerate(run.types.items())})
+    allocs, stmts = [], []
+    for b in run.calls:
+        args = run.call_slots(b)
+        callee = renew_defs(mod[b.value.args[0]])     # fresh vars and buffers for each use of a kernel
+        shared = list({id(buffers[a]): buffers[a] for a in args}.values())
+        # with the run's buffers as parameters too, specialize aliases each kernel parameter to one of them
+        own_params = list(callee.params)
+        callee = tirx.PrimFunc([*own_params, *shared], callee.body, attrs=callee.attrs)
+        callee = callee.specialize({param: buffers[arg] for param, arg in zip(own_params, args, strict=True)})
+        own, body = split_kernel(callee)
+        allocs += own
+        stmts += body
+    allocs += [buffers[slot] for slot in run.types if slot not in run.public]
+    body = _seq([*(tirx.AllocBuffer(buf) for buf in allocs),
+                 tirx.AttrStmt(0, LAUNCH, 1, _seq(_barriered(stmts)))])
+    params = [buffers[v] for v in run.inputs + run.outputs]
+    return tirx.PrimFunc(params, body).with_attrs({"tirx.noalias": True, "tirx.is_scheduled": True})
+
+
+def _uses(func: relax.Function) -> dict:
+    """Relax var -> its number of references in the bindings' values and the function's result."""
+    counts: dict = {}
+
+    def visit(expr):
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            relax.analysis.post_order_visit(binding.value, visit)
+    relax.analysis.post_order_visit(func.body.body, visit)
+    return counts
+
+
+def _kernel_calls(blocks) -> int:
+    return sum(1 for block in blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.call_tir"))
+
+
+class _Merger:
+    def __init__(self, mod: tvm.IRModule, min_run: int = 2):
+        self.mod, self.min_run = mod, min_run
+        self.builder = relax.BlockBuilder(mod)
+        self.kernels: dict[tuple, Any] = {}       # wiring -> GlobalVar of the region kernel
+        self.members: dict[str, list[str]] = {}   # region kernel -> the kernels it runs, in order
+        self._splits: dict[str, bool] = {}
+        self.calls: dict[str, dict[str, int]] = {}   # function -> kernel calls per step before / after
+
+    def mergeable(self, binding, run: list) -> bool:
+        value = getattr(binding, "value", None)
+        if not isinstance(binding, relax.VarBinding):
+            return False
+        if isinstance(value, relax.TupleGetItem):        # an output of a multi-output kernel of the run
+            return any(value.tuple_value.same_as(b.var) for b in run)
+        if not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get("relax.call_tir") or len(value.args) != 2:
+            return False      # (a call_tir with symbolic-shape arguments has a third: tir_vars)
+        ty = binding.var.ty
+        outs = ty.fields if isinstance(ty, relax.TupleType) else [ty]
+        if not all(_static_shape(t) for t in [*outs, *(a.ty for a in value.args[1].fields)]):
+            return False
+        name = value.args[0].name_hint
+        if name not in self._splits:
+            func = self.mod[value.args[0]]
+            self._splits[name] = isinstance(func, tirx.PrimFunc) and split_kernel(func) is not None
+        return self._splits[name]
+
+    def region(self, bindings: list[relax.VarBinding], uses: dict) -> list[relax.VarBinding]:
+        run = Run(bindings, uses)
+        if len(run.calls) < self.min_run or not run.valid or not run.outputs:
+            return bindings
+        key = run.wiring()
+        if key not in self.kernels:
+            name = f"cpu_region{len(self.kernels)}"
+            self.kernels[key] = self.builder.add_func(merge_run(self.mod, run), name)
+            self.members[name] = [b.value.args[0].name_hint for b in run.calls]
+        gv = self.kernels[key]
+        types = [run.types[slot] for slot in run.outputs]
+        call = relax.call_tir(gv, relax.Tuple(run.inputs), types if len(types) > 1 else types[0])
+        public = [(i, v) for i, slot in enumerate(run.outputs) for v in run.public[slot]]
+        if len(public) == 1:
+            return [relax.VarBinding(public[0][1], call)]
+        if len(types) == 1:
+            tup_ty, call = relax.TupleType(types), relax.Tuple([call])   # one tensor read by two names
+        tup = relax.DataflowVar(f"{gv.name_hint}_out", relax.TupleType(types) if len(types) > 1 else tup_ty)
+        return [relax.VarBinding(tup, call), *(relax.VarBinding(v, relax.TupleGetItem(tup, i)) for i, v in public)]
+
+    def function(self, name: str, func: relax.Function) -> relax.Function:
+        uses = _uses(func)
+        blocks = []
+        for block in func.body.blocks:
+            if not isinstance(block, relax.DataflowBlock):
+                blocks.append(block)
+                continue
+            out, run = [], []
+            for binding in [*block.bindings, None]:
+                if binding is not None and self.mergeable(binding, run):
+                    run.append(binding)
+                    continue
+                out += self.region(run, uses) if run else []
+                run = []
+                if binding is not None:
+                    out.append(binding)
+            blocks.append(relax.DataflowBlock(out))
+        self.calls[name] = {"kernels": _kernel_calls(func.body.blocks), "calls": _kernel_calls(blocks)}
+        return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure,
+                              func.attrs)
+
+
+def merge_regions(mod: tvm.IRModule, functions: tuple[str, ...] = DECODE_FUNCTIONS
+                  ) -> tuple[tvm.IRModule, dict[str, Any]]:
+    """The module with each run of mergeable kernels in `functions` replaced by one region kernel, and a
+    summary for the coverage report: {region kernel: the kernels it runs}, and per function its kernel
+    calls per step before the merge (`kernels`) and after it (`calls`: regions and unmerged kernels)."""
+    merger = _Merger(mod)
+    for gv, func in list(mod.functions_items()):
+        if gv.name_hint in functions and isinstance(func, relax.Function):
+            merger.builder.update_func(gv, merger.function(gv.name_hint, func))
+    summary = {"regions": merger.members, "calls_per_step": merger.calls}
+    return merger.builder.get(), summary
