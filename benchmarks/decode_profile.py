@@ -111,6 +111,13 @@ def analyse(by_symbol: list[tuple[float, str, str]], symbols: tuple[list[int], l
     `symbols`: the library's (sorted addresses, names) for perf's bare addresses."""
     step_bytes = {k["name"]: k["decode_step"]["bytes"] for k in coverage["kernels"] if k["decode_step"]["calls"]}
     calls = {k["name"]: k["decode_step"]["calls"] for k in coverage["kernels"] if k["decode_step"]["calls"]}
+    per_call = {k["name"]: k["decode_step"].get("bytes_per_call") for k in coverage["kernels"]}
+    for name, region in (coverage.get("cpu_regions") or {}).get("regions", {}).items():
+        # a merged region (pipeline/cpu_regions.py) reads its kernels' bytes; the child decodes greedily
+        n = region["calls"].get("decode_greedy", 0)
+        members = [per_call.get(k) for k in region["kernels"]]
+        calls[name] = n
+        step_bytes[name] = n * sum(members) if n and all(m is not None for m in members) else None
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     addrs, names = symbols
     per_kernel: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

@@ -211,7 +211,8 @@ class _Merger:
         self.mod, self.min_run = mod, min_run
         self.builder = relax.BlockBuilder(mod)
         self.kernels: dict[tuple, Any] = {}       # wiring -> GlobalVar of the region kernel
-        self.members: dict[str, list[str]] = {}   # region kernel -> the kernels it runs, in order
+        self.members: dict[str, dict[str, Any]] = {}   # region kernel -> its kernels (in order), its calls
+        self.function_name = ""
         self._splits: dict[str, bool] = {}
         self.calls: dict[str, dict[str, int]] = {}   # function -> kernel calls per step before / after
 
@@ -241,8 +242,10 @@ class _Merger:
         if key not in self.kernels:
             name = f"cpu_region{len(self.kernels)}"
             self.kernels[key] = self.builder.add_func(merge_run(self.mod, run), name)
-            self.members[name] = [b.value.args[0].name_hint for b in run.calls]
+            self.members[name] = {"kernels": [b.value.args[0].name_hint for b in run.calls], "calls": {}}
         gv = self.kernels[key]
+        calls = self.members[gv.name_hint]["calls"]
+        calls[self.function_name] = calls.get(self.function_name, 0) + 1
         types = [run.types[slot] for slot in run.outputs]
         call = relax.call_tir(gv, relax.Tuple(run.inputs), types if len(types) > 1 else types[0])
         public = [(i, v) for i, slot in enumerate(run.outputs) for v in run.public[slot]]
@@ -255,6 +258,7 @@ class _Merger:
 
     def function(self, name: str, func: relax.Function) -> relax.Function:
         uses = _uses(func)
+        self.function_name = name
         blocks = []
         for block in func.body.blocks:
             if not isinstance(block, relax.DataflowBlock):
@@ -278,7 +282,8 @@ class _Merger:
 def merge_regions(mod: tvm.IRModule, functions: tuple[str, ...] = DECODE_FUNCTIONS
                   ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The module with each run of mergeable kernels in `functions` replaced by one region kernel, and a
-    summary for the coverage report: {region kernel: the kernels it runs}, and per function its kernel
+    summary for the coverage report: per region kernel the kernels it runs and its calls per step in each
+    function, and per function its kernel
     calls per step before the merge (`kernels`) and after it (`calls`: regions and unmerged kernels)."""
     merger = _Merger(mod)
     for gv, func in list(mod.functions_items()):

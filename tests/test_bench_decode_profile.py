@@ -58,6 +58,22 @@ def test_shares_are_of_the_main_threads_wall_and_bytes_become_gb_s():
     assert "(50% of 2.0)" in text        # 2 MB per 2 ms = 1 GB/s
 
 
+def test_a_merged_region_gets_its_kernels_bytes():
+    """A region kernel (pipeline/cpu_regions.py) reads the bytes of the kernels merged into it, per call of
+    the greedy step the child times."""
+    coverage = {**COVERAGE, "kernels": [*COVERAGE["kernels"],
+                                        {"name": "rms", "decode_step": {"calls": 0, "bytes": 0, "bytes_per_call": 1000}},
+                                        {"name": "gemv_b", "decode_step": {"calls": 0, "bytes": 0,
+                                                                           "bytes_per_call": 249_000}}],
+                "cpu_regions": {"regions": {"cpu_region0": {"kernels": ["rms", "gemv_b"],
+                                                            "calls": {"decode": 3, "decode_greedy": 4}}}}}
+    report = "\n    30.00%       100:python   model.so   [.] cpu_region0_compute_\n" + REPORT
+    res = dp.analyse(dp.parse_perf_report(report), SYMBOLS, coverage, LIB, main_tid="100", ms_per_token=2.0)
+    region = {k["kernel"]: k for k in res["kernels"]}["cpu_region0"]
+    assert region["calls_per_token"] == 4 and region["bytes_per_token"] == 4 * 250_000
+    assert region["share_of_step"] == pytest.approx(30 / 80)
+
+
 def test_missing_main_thread_is_an_error():
     with pytest.raises(ValueError, match="main thread"):
         dp.analyse(dp.parse_perf_report(REPORT), SYMBOLS, COVERAGE, LIB, main_tid="999", ms_per_token=1.0)

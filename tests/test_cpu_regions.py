@@ -82,7 +82,10 @@ def test_merged_decode_is_bit_identical(merged_bundle, tmp_path):
     for fn in ("decode", "decode_greedy"):
         calls = regions["calls_per_step"][fn]
         assert calls["kernels"] >= 20 and calls["calls"] * 3 <= calls["kernels"]
-    assert any("dequant" in k and "matmul" in k for ks in regions["regions"].values() for k in ks)
+    assert any("dequant" in k and "matmul" in k for r in regions["regions"].values() for k in r["kernels"])
+    for fn in ("decode", "decode_greedy"):       # the region calls and the kernels left make up the step
+        made = sum(r["calls"].get(fn, 0) for r in regions["regions"].values())
+        assert 0 < made <= regions["calls_per_step"][fn]["calls"]
 
     merged = Bundle(bundle).engine()
     plain = Engine(unmerged_library(str(folder), tmp_path), iter_tensor_cache(bundle))
