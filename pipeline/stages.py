@@ -294,7 +294,8 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         coverage["splits"] = list(defined.splits)
         coverage["largest_parameter"] = _largest_parameter(defined, target)
         if not target.is_gpu and not target.npu:   # after the report: it lists the kernels, not the regions
-            mod, coverage["cpu_regions"] = merge_cpu_regions(mod)
+            with report.step("merge CPU regions"):
+                mod, coverage["cpu_regions"] = merge_cpu_regions(mod)
         write_coverage(coverage, tmp)
         info = compile_library(mod, meta, schedules, target, prefix, key, tmp, report)
     return out, info
