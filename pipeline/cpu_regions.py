@@ -126,11 +126,15 @@ class Run:
                 inside[ref] = inside.get(ref, 0) + 1
         outside = {v for v in [*(b.var for b in bindings)]
                    if uses.get(v, 0) > inside.get(v, 0) or not isinstance(v, relax.DataflowVar)}
-        # a tuple used as a whole after the run has no single tensor to hand back: no region then
-        self.valid = not any(isinstance(v.ty, relax.TupleType) for v in outside)
         self.public: dict = {}        # slot -> the vars the rest of the function reads it by
+        self.rebuilt: dict = {}       # a multi-output kernel's tuple read after the run -> its fields' vars
         for v in outside:
-            self.public.setdefault(self.slot(v), []).append(v)
+            if isinstance(v.ty, relax.TupleType):     # handed back field by field, then made a tuple again
+                self.rebuilt[v] = [relax.DataflowVar(f"{v.name}_{i}", f) for i, f in enumerate(v.ty.fields)]
+                for i, field in enumerate(self.rebuilt[v]):
+                    self.public.setdefault((v, i), []).append(field)
+            else:
+                self.public.setdefault(self.slot(v), []).append(v)
         self.inputs: list = []
         for b in self.calls:
             for arg in b.value.args[1].fields:
@@ -201,6 +205,13 @@ def _uses(func: relax.Function) -> dict:
     return counts
 
 
+def _int64_buffers(func: tirx.PrimFunc) -> bool:
+    """Whether every parameter is a buffer with constant int64 dims, which the run's shared buffers have
+    (specialize matches dims exactly; kernels built from int32-shaped compute stay separate calls)."""
+    return all(isinstance(p.ty, tirx.BufferType)
+               and all(isinstance(d, tirx.IntImm) and str(d.ty) == "int64" for d in p.shape) for p in func.params)
+
+
 def _kernel_calls(blocks) -> int:
     return sum(1 for block in blocks for b in block.bindings
                if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.call_tir"))
@@ -231,12 +242,13 @@ class _Merger:
         name = value.args[0].name_hint
         if name not in self._splits:
             func = self.mod[value.args[0]]
-            self._splits[name] = isinstance(func, tirx.PrimFunc) and split_kernel(func) is not None
+            self._splits[name] = (isinstance(func, tirx.PrimFunc) and _int64_buffers(func)
+                                  and split_kernel(func) is not None)
         return self._splits[name]
 
     def region(self, bindings: list[relax.VarBinding], uses: dict) -> list[relax.VarBinding]:
         run = Run(bindings, uses)
-        if len(run.calls) < self.min_run or not run.valid or not run.outputs:
+        if len(run.calls) < self.min_run or not run.outputs:
             return bindings
         key = run.wiring()
         if key not in self.kernels:
@@ -249,12 +261,14 @@ class _Merger:
         types = [run.types[slot] for slot in run.outputs]
         call = relax.call_tir(gv, relax.Tuple(run.inputs), types if len(types) > 1 else types[0])
         public = [(i, v) for i, slot in enumerate(run.outputs) for v in run.public[slot]]
+        tuples = [relax.VarBinding(v, relax.Tuple(fields)) for v, fields in run.rebuilt.items()]
         if len(public) == 1:
-            return [relax.VarBinding(public[0][1], call)]
+            return [relax.VarBinding(public[0][1], call), *tuples]
         if len(types) == 1:
             tup_ty, call = relax.TupleType(types), relax.Tuple([call])   # one tensor read by two names
         tup = relax.DataflowVar(f"{gv.name_hint}_out", relax.TupleType(types) if len(types) > 1 else tup_ty)
-        return [relax.VarBinding(tup, call), *(relax.VarBinding(v, relax.TupleGetItem(tup, i)) for i, v in public)]
+        return [relax.VarBinding(tup, call), *(relax.VarBinding(v, relax.TupleGetItem(tup, i)) for i, v in public),
+                *tuples]
 
     def function(self, name: str, func: relax.Function) -> relax.Function:
         uses = _uses(func)
