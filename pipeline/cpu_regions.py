@@ -27,6 +27,7 @@ from tvm.s_tir import SBlockRealize, renew_defs
 LAUNCH = "pragma_parallel_launch_point"        # TVM's CPU codegen: one thread-pool launch for the body
 BARRIER = "pragma_parallel_barrier_when_finish"  # ... and all tasks wait here after the statement
 DECODE_FUNCTIONS = ("decode", "decode_greedy")  # static shapes: one token
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 # serial statements that can move into task 0's branch without changing what later statements see
 _SERIAL_OK = (tirx.For, tirx.BufferStore, tirx.IfThenElse, tirx.Evaluate, SBlockRealize)
 
@@ -111,7 +112,6 @@ class Run:
     multi-output one. A tensor is named by its slot: a tensor call's var, or (tuple var, index)."""
 
     def __init__(self, bindings: list[relax.VarBinding], uses: dict):
-        self.bindings = bindings
         self.calls = [b for b in bindings if isinstance(b.value, relax.Call)]
         self.alias = {b.var: (b.value.tuple_value, b.value.index) for b in bindings
                       if isinstance(b.value, relax.TupleGetItem)}
@@ -214,7 +214,7 @@ def _int64_buffers(func: tirx.PrimFunc) -> bool:
 
 def _kernel_calls(blocks) -> int:
     return sum(1 for block in blocks for b in block.bindings
-               if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get("relax.call_tir"))
+               if isinstance(b.value, relax.Call) and b.value.op == CALL_TIR)
 
 
 class _Merger:
@@ -223,7 +223,6 @@ class _Merger:
         self.builder = relax.BlockBuilder(mod)
         self.kernels: dict[tuple, Any] = {}       # wiring -> GlobalVar of the region kernel
         self.members: dict[str, dict[str, Any]] = {}   # region kernel -> its kernels (in order), its calls
-        self.function_name = ""
         self._splits: dict[str, bool] = {}
         self.calls: dict[str, dict[str, int]] = {}   # function -> kernel calls per step before / after
 
@@ -233,7 +232,7 @@ class _Merger:
             return False
         if isinstance(value, relax.TupleGetItem):        # an output of a multi-output kernel of the run
             return any(value.tuple_value.same_as(b.var) for b in run)
-        if not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get("relax.call_tir") or len(value.args) != 2:
+        if not isinstance(value, relax.Call) or value.op != CALL_TIR or len(value.args) != 2:
             return False      # (a call_tir with symbolic-shape arguments has a third: tir_vars)
         ty = binding.var.ty
         outs = ty.fields if isinstance(ty, relax.TupleType) else [ty]
@@ -246,7 +245,7 @@ class _Merger:
                                   and split_kernel(func) is not None)
         return self._splits[name]
 
-    def region(self, bindings: list[relax.VarBinding], uses: dict) -> list[relax.VarBinding]:
+    def region(self, bindings: list[relax.VarBinding], uses: dict, function: str) -> list[relax.VarBinding]:
         run = Run(bindings, uses)
         if len(run.calls) < self.min_run or not run.outputs:
             return bindings
@@ -257,7 +256,7 @@ class _Merger:
             self.members[name] = {"kernels": [b.value.args[0].name_hint for b in run.calls], "calls": {}}
         gv = self.kernels[key]
         calls = self.members[gv.name_hint]["calls"]
-        calls[self.function_name] = calls.get(self.function_name, 0) + 1
+        calls[function] = calls.get(function, 0) + 1
         types = [run.types[slot] for slot in run.outputs]
         call = relax.call_tir(gv, relax.Tuple(run.inputs), types if len(types) > 1 else types[0])
         public = [(i, v) for i, slot in enumerate(run.outputs) for v in run.public[slot]]
@@ -265,14 +264,13 @@ class _Merger:
         if len(public) == 1:
             return [relax.VarBinding(public[0][1], call), *tuples]
         if len(types) == 1:
-            tup_ty, call = relax.TupleType(types), relax.Tuple([call])   # one tensor read by two names
-        tup = relax.DataflowVar(f"{gv.name_hint}_out", relax.TupleType(types) if len(types) > 1 else tup_ty)
+            call = relax.Tuple([call])             # one tensor read by two names
+        tup = relax.DataflowVar(f"{gv.name_hint}_out", relax.TupleType(types))
         return [relax.VarBinding(tup, call), *(relax.VarBinding(v, relax.TupleGetItem(tup, i)) for i, v in public),
                 *tuples]
 
     def function(self, name: str, func: relax.Function) -> relax.Function:
         uses = _uses(func)
-        self.function_name = name
         blocks = []
         for block in func.body.blocks:
             if not isinstance(block, relax.DataflowBlock):
@@ -283,7 +281,7 @@ class _Merger:
                 if binding is not None and self.mergeable(binding, run):
                     run.append(binding)
                     continue
-                out += self.region(run, uses) if run else []
+                out += self.region(run, uses, name) if run else []
                 run = []
                 if binding is not None:
                     out.append(binding)
@@ -297,8 +295,8 @@ def merge_regions(mod: tvm.IRModule, functions: tuple[str, ...] = DECODE_FUNCTIO
                   ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The module with each run of mergeable kernels in `functions` replaced by one region kernel, and a
     summary for the coverage report: per region kernel the kernels it runs and its calls per step in each
-    function, and per function its kernel
-    calls per step before the merge (`kernels`) and after it (`calls`: regions and unmerged kernels)."""
+    function, and per function its kernel calls per step before the merge (`kernels`) and after it
+    (`calls`: regions and unmerged kernels)."""
     merger = _Merger(mod)
     for gv, func in list(mod.functions_items()):
         if gv.name_hint in functions and isinstance(func, relax.Function):

@@ -304,12 +304,11 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
 def merge_cpu_regions(mod: Any) -> tuple[Any, dict[str, Any]]:
     """The decode step's runs of CPU kernels as one parallel region each (cpu_regions.py). Reshapes that
     lowering turns into views are rewritten first, so that they stay views."""
-    import tvm
     from tvm import relax
 
     from .cpu_regions import merge_regions
 
-    return merge_regions(tvm.transform.Sequential([relax.transform.RewriteDataflowReshape()])(mod))
+    return merge_regions(relax.transform.RewriteDataflowReshape()(mod))
 
 
 def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], target: TargetSpec, prefix: str,
