@@ -168,33 +168,55 @@ def load_config(path: Path = CONFIG, quick: bool = False) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- random model
+def _dims(spec: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    """(hidden, intermediate, vocab, head_dim, q width): head_dim defaults to hidden / heads (Llama)."""
+    h = spec["hidden_size"]
+    hd = spec.get("head_dim", h // spec["num_attention_heads"])
+    return h, spec["intermediate_size"], spec["vocab_size"], hd, spec["num_attention_heads"] * hd
+
+
 def random_model_params(spec: dict[str, Any]) -> int:
-    """Parameter count of a Llama config (tied embeddings counted once)."""
-    h, n, i = spec["hidden_size"], spec["num_hidden_layers"], spec["intermediate_size"]
-    hd = h // spec["num_attention_heads"]
+    """Parameter count of a Llama or Qwen3 config (tied embeddings counted once; Qwen3's q/k norms)."""
+    h, i, v, hd, qw = _dims(spec)
     kv = spec["num_key_value_heads"] * hd
-    layer = h * h * 2 + 2 * h * kv + 3 * h * i + 2 * h
-    emb = spec["vocab_size"] * h * (1 if spec.get("tie_word_embeddings", True) else 2)
-    return n * layer + emb + h
+    qk_norms = 2 * hd if spec.get("architecture", "llama") == "qwen3" else 0
+    layer = 2 * h * qw + 2 * h * kv + 3 * h * i + 2 * h + qk_norms
+    emb = v * h * (1 if spec.get("tie_word_embeddings", True) else 2)
+    return spec["num_hidden_layers"] * layer + emb + h
+
+
+RANDOM_ARCHITECTURES = {   # speed.yaml's random.architecture -> the HF config's class, model type and norms' eps
+    "llama": ("LlamaForCausalLM", "llama", 1e-5, 100000.0),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", 1e-6, 1000000.0),
+}
 
 
 def _hf_config(spec: dict[str, Any]) -> dict[str, Any]:
-    h = spec["hidden_size"]
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "hidden_size": h, "intermediate_size": spec["intermediate_size"],
-            "num_hidden_layers": spec["num_hidden_layers"], "num_attention_heads": spec["num_attention_heads"],
-            "num_key_value_heads": spec["num_key_value_heads"], "head_dim": h // spec["num_attention_heads"],
-            "vocab_size": spec["vocab_size"], "max_position_embeddings": spec["max_position_embeddings"],
-            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": spec["tie_word_embeddings"],
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float16",
-            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    arch = spec.get("architecture", "llama")
+    if arch not in RANDOM_ARCHITECTURES:
+        raise ValueError(f"speed.yaml: random.architecture {arch!r} is not one of {sorted(RANDOM_ARCHITECTURES)}")
+    cls, model_type, eps, theta = RANDOM_ARCHITECTURES[arch]
+    h, i, v, hd, _ = _dims(spec)
+    cfg = {"architectures": [cls], "model_type": model_type, "hidden_act": "silu",
+           "hidden_size": h, "intermediate_size": i,
+           "num_hidden_layers": spec["num_hidden_layers"], "num_attention_heads": spec["num_attention_heads"],
+           "num_key_value_heads": spec["num_key_value_heads"], "head_dim": hd,
+           "vocab_size": v, "max_position_embeddings": spec["max_position_embeddings"],
+           "rms_norm_eps": eps, "rope_theta": theta, "tie_word_embeddings": spec["tie_word_embeddings"],
+           "attention_bias": False, "torch_dtype": "float16",
+           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    if arch == "llama":
+        cfg["mlp_bias"] = False
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec["num_hidden_layers"])
+    return cfg
 
 
 def _random_tensors(spec: dict[str, Any]) -> dict[str, np.ndarray]:
-    """HF Llama tensor names -> fp16 arrays: matrices N(0, std^2) from one seeded generator, norms 1."""
+    """HF Llama / Qwen3 tensor names -> fp16 arrays: matrices N(0, std^2) from one seeded generator, norms 1."""
     rng = np.random.default_rng(spec["seed"])
-    h, i, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
-    kv = spec["num_key_value_heads"] * (h // spec["num_attention_heads"])
+    h, i, v, hd, qw = _dims(spec)
+    kv = spec["num_key_value_heads"] * hd
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * spec["std"]).astype(np.float16)
@@ -202,10 +224,13 @@ def _random_tensors(spec: dict[str, Any]) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": mat(v, h)}
     for n in range(spec["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        out[p + "self_attn.q_proj.weight"] = mat(h, h)
+        out[p + "self_attn.q_proj.weight"] = mat(qw, h)
         out[p + "self_attn.k_proj.weight"] = mat(kv, h)
         out[p + "self_attn.v_proj.weight"] = mat(kv, h)
-        out[p + "self_attn.o_proj.weight"] = mat(h, h)
+        out[p + "self_attn.o_proj.weight"] = mat(h, qw)
+        if spec.get("architecture", "llama") == "qwen3":
+            out[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float16)
+            out[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float16)
         out[p + "mlp.gate_proj.weight"] = mat(i, h)
         out[p + "mlp.up_proj.weight"] = mat(i, h)
         out[p + "mlp.down_proj.weight"] = mat(h, i)
@@ -826,17 +851,20 @@ def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print,
             row["note"] = f"failed: {str(err)[:200]}"
             log(f"  ours {scheme}: {row['note']}")
     theirs = {t: {"model": model["name"], "side": "llama.cpp", "scheme": t} for t in cfg["llamacpp"]}
+    wanted = [t for t in cfg["llamacpp"] if t in model.get("llamacpp", cfg["llamacpp"])]
     ggufs: dict[str, Path] = {}
     if lc is None:
         for row in theirs.values():
             row["note"] = "llama.cpp not built"
     else:
         try:
-            ggufs = llamacpp_ggufs(lc, weights, list(cfg["llamacpp"]), WORK / "gguf" / model["name"])
+            ggufs = llamacpp_ggufs(lc, weights, wanted, WORK / "gguf" / model["name"])
         except RuntimeError as err:
             log(f"  llama.cpp conversion: {err}")
         for qtype, row in theirs.items():
-            if qtype not in ggufs:
+            if qtype not in wanted:
+                row["note"] = "not measured on this model (speed.yaml: the model's `llamacpp`)"
+            elif qtype not in ggufs:
                 row["note"] = "no GGUF (conversion failed)"
     before = near_probe() if near_probe else None
     for side, name in measurement_order(cfg["ours"], cfg["llamacpp"], cfg.get("counterparts", {})):

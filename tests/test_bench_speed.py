@@ -154,6 +154,23 @@ def test_random_model_tensors_match_the_count_and_are_deterministic():
     assert sum(t.size for t in speed._random_tensors(untied).values()) == speed.random_model_params(untied)
 
 
+def test_random_qwen3_model_has_its_norms_and_head_dim():
+    spec = {"architecture": "qwen3", "seed": 1, "std": 0.02, "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "vocab_size": 50, "max_position_embeddings": 128, "tie_word_embeddings": True}
+    t = speed._random_tensors(spec)
+    assert sum(a.size for a in t.values()) == speed.random_model_params(spec)
+    assert t["model.layers.1.self_attn.q_proj.weight"].shape == (4 * 32, 64)
+    assert t["model.layers.1.self_attn.o_proj.weight"].shape == (64, 4 * 32)
+    assert t["model.layers.0.self_attn.k_norm.weight"].shape == (32,)
+    cfg = speed._hf_config(spec)
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["head_dim"] == 32
+    from pipeline.models.llama import DecoderConfig  # the pipeline reads it as the Qwen3 family
+    assert DecoderConfig.from_hf(cfg).qk_norm
+    with pytest.raises(ValueError, match="random.architecture"):
+        speed._hf_config(dict(spec, architecture="gpt2"))
+
+
 def test_parse_llama_bench_json():
     text = json.dumps([
         {"n_prompt": 128, "n_gen": 0, "avg_ts": 2.0, "samples_ts": [1.0, 2.0, 3.0], "build_commit": "abc"},
