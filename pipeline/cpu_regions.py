@@ -28,6 +28,7 @@ LAUNCH = "pragma_parallel_launch_point"        # TVM's CPU codegen: one thread-p
 BARRIER = "pragma_parallel_barrier_when_finish"  # ... and all tasks wait here after the statement
 DECODE_FUNCTIONS = ("decode", "decode_greedy")  # static shapes: one token
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+RESHAPE = tvm.ir.Op.get("relax.reshape")        # after RewriteDataflowReshape: a view, no copy
 # serial statements that can move into task 0's branch without changing what later statements see
 _SERIAL_OK = (tirx.For, tirx.BufferStore, tirx.IfThenElse, tirx.Evaluate, SBlockRealize)
 
@@ -107,19 +108,26 @@ def _barriered(stmts: list[tirx.Stmt]) -> list[tirx.Stmt]:
     return [tirx.AttrStmt(0, BARRIER, 1, s) for s in out]
 
 
+def _is_view(b) -> bool:
+    return isinstance(b.value, relax.Call) and b.value.op == RESHAPE
+
+
 class Run:
-    """Consecutive bindings of a dataflow block: `call_tir`s and the `TupleGetItem`s that pick outputs of a
-    multi-output one. A tensor is named by its slot: a tensor call's var, or (tuple var, index)."""
+    """Consecutive bindings of a dataflow block: `call_tir`s, the `TupleGetItem`s that pick outputs of a
+    multi-output one and reshapes (views: inside the region a buffer on the same memory). A tensor is named
+    by its slot: a tensor call's var, (tuple var, index), or a view's var."""
 
     def __init__(self, bindings: list[relax.VarBinding], uses: dict):
-        self.calls = [b for b in bindings if isinstance(b.value, relax.Call)]
+        self.calls = [b for b in bindings if isinstance(b.value, relax.Call) and b.value.op == CALL_TIR]
         self.alias = {b.var: (b.value.tuple_value, b.value.index) for b in bindings
                       if isinstance(b.value, relax.TupleGetItem)}
+        self.views = {b.var: b.value.args[0] for b in bindings if _is_view(b)}   # view -> what it reshapes
         self.types: dict = {}         # slot -> TensorType, in the order made
         for b in self.calls:
             ty = b.var.ty
             fields = ty.fields if isinstance(ty, relax.TupleType) else None
             self.types.update({(b.var, i): f for i, f in enumerate(fields)} if fields else {b.var: ty})
+        self.order = {b.var: i for i, b in enumerate(bindings)}
         inside: dict = {}
         for b in bindings:
             for ref in self.references(b):
@@ -128,23 +136,44 @@ class Run:
                    if uses.get(v, 0) > inside.get(v, 0) or not isinstance(v, relax.DataflowVar)}
         self.public: dict = {}        # slot -> the vars the rest of the function reads it by
         self.rebuilt: dict = {}       # a multi-output kernel's tuple read after the run -> its fields' vars
-        for v in outside:
+        self.reviewed: list = []      # (view read after the run, the tensor it views) -> reshaped again after
+        self.inputs: list = []
+        for b in bindings:
+            for arg in self.references(b) if not isinstance(b.value, relax.TupleGetItem) else []:
+                if not self.made(self.slot(arg)) and arg not in self.inputs:
+                    self.inputs.append(arg)
+        for v in sorted(outside, key=lambda var: self.order[var]):
             if isinstance(v.ty, relax.TupleType):     # handed back field by field, then made a tuple again
                 self.rebuilt[v] = [relax.DataflowVar(f"{v.name}_{i}", f) for i, f in enumerate(v.ty.fields)]
                 for i, field in enumerate(self.rebuilt[v]):
                     self.public.setdefault((v, i), []).append(field)
+            elif v in self.views:
+                self.reviewed.append((v, self.root(v)))
             else:
                 self.public.setdefault(self.slot(v), []).append(v)
-        self.inputs: list = []
-        for b in self.calls:
-            for arg in b.value.args[1].fields:
-                if self.slot(arg) not in self.types and arg not in self.inputs:
-                    self.inputs.append(arg)
+        for v, root in self.reviewed:                 # the viewed tensor must be handed back too
+            if root in self.types and root not in self.public:
+                self.public[root] = [relax.DataflowVar(f"{v.name}_base", self.types[root])]
         self.outputs = [slot for slot in self.types if slot in self.public]
+
+    def made(self, slot) -> bool:
+        return slot in self.types or slot in self.views
+
+    def root(self, var):
+        """The tensor a view (of a view ...) is a view of: a slot made in the run, or an input."""
+        while var in self.views:
+            var = self.slot(self.views[var])
+        return var
+
+    def after(self, slot):
+        """The var the rest of the function reads a made slot or an input by."""
+        return self.public[slot][0] if slot in self.public else slot
 
     @staticmethod
     def references(b: relax.VarBinding) -> list:
-        return [b.value.tuple_value] if isinstance(b.value, relax.TupleGetItem) else list(b.value.args[1].fields)
+        if isinstance(b.value, relax.TupleGetItem):
+            return [b.value.tuple_value]
+        return [b.value.args[0]] if _is_view(b) else list(b.value.args[1].fields)
 
     def slot(self, var):
         return self.alias.get(var, var)
@@ -159,6 +188,8 @@ class Run:
         shapes, the outputs (the 30 layers of a model share one region kernel)."""
         number = {slot: ("in", i) for i, slot in enumerate(self.inputs)}
         number.update({slot: ("made", i) for i, slot in enumerate(self.types)})
+        for i, (v, src) in enumerate(self.views.items()):
+            number[v] = ("view", i, number[self.slot(src)], _static_shape(v.ty))
         key = tuple((b.value.args[0].name_hint, tuple(number[s] for s in self.call_slots(b)),
                      tuple(_static_shape(self._type(s)) for s in self.call_slots(b))) for b in self.calls)
         return key, tuple(number[s] for s in self.outputs)
@@ -171,6 +202,12 @@ def merge_run(mod: tvm.IRModule, run: Run) -> tirx.PrimFunc:
     """One PrimFunc for a run; parameters: the run's inputs, then its outputs."""
     buffers = {v: _buffer(v.ty, f"in{i}") for i, v in enumerate(run.inputs)}
     buffers.update({slot: _buffer(ty, f"t{i}") for i, (slot, ty) in enumerate(run.types.items())})
+    views = []
+    for i, v in enumerate(run.views):     # binding order: a view's source has its buffer already
+        base = buffers[run.slot(run.views[v])]
+        buffers[v] = tirx.decl_buffer([tirx.IntImm("int64", d) for d in _static_shape(v.ty)], v.ty.dtype,
+                                      f"view{i}")
+        views.append(tirx.DeclBuffer(buffers[v], data=base.data))
     allocs, stmts = [], []
     for b in run.calls:
         args = run.call_slots(b)
@@ -184,7 +221,7 @@ def merge_run(mod: tvm.IRModule, run: Run) -> tirx.PrimFunc:
         allocs += own
         stmts += body
     allocs += [buffers[slot] for slot in run.types if slot not in run.public]
-    body = _seq([*(tirx.AllocBuffer(buf) for buf in allocs),
+    body = _seq([*(tirx.AllocBuffer(buf) for buf in allocs), *views,
                  tirx.AttrStmt(0, LAUNCH, 1, _seq(_barriered(stmts)))])
     params = [buffers[v] for v in run.inputs + run.outputs]
     return tirx.PrimFunc(params, body).with_attrs({"tirx.noalias": True, "tirx.is_scheduled": True})
@@ -218,8 +255,8 @@ def _kernel_calls(blocks) -> int:
 
 
 class _Merger:
-    def __init__(self, mod: tvm.IRModule, min_run: int = 2):
-        self.mod, self.min_run = mod, min_run
+    def __init__(self, mod: tvm.IRModule, min_run: int = 2, views: bool = True):
+        self.mod, self.min_run, self.views = mod, min_run, views
         self.builder = relax.BlockBuilder(mod)
         self.kernels: dict[tuple, Any] = {}       # wiring -> GlobalVar of the region kernel
         self.members: dict[str, dict[str, Any]] = {}   # region kernel -> its kernels (in order), its calls
@@ -232,6 +269,9 @@ class _Merger:
             return False
         if isinstance(value, relax.TupleGetItem):        # an output of a multi-output kernel of the run
             return any(value.tuple_value.same_as(b.var) for b in run)
+        if _is_view(binding):      # a view inside a run (one at its end is left out by `region`)
+            return self.views and bool(run) and all(_static_shape(t) and t.dtype == value.args[0].ty.dtype
+                                     for t in (binding.var.ty, value.args[0].ty))
         if not isinstance(value, relax.Call) or value.op != CALL_TIR or len(value.args) != 2:
             return False      # (a call_tir with symbolic-shape arguments has a third: tir_vars)
         ty = binding.var.ty
@@ -246,6 +286,13 @@ class _Merger:
         return self._splits[name]
 
     def region(self, bindings: list[relax.VarBinding], uses: dict, function: str) -> list[relax.VarBinding]:
+        tail = []
+        while bindings and _is_view(bindings[-1]):     # views after the run's last kernel stay outside
+            tail.insert(0, bindings[-1])
+            bindings = bindings[:-1]
+        return self._region(bindings, uses, function) + tail
+
+    def _region(self, bindings: list[relax.VarBinding], uses: dict, function: str) -> list[relax.VarBinding]:
         run = Run(bindings, uses)
         if len(run.calls) < self.min_run or not run.outputs:
             return bindings
@@ -253,7 +300,8 @@ class _Merger:
         if key not in self.kernels:
             name = f"cpu_region{len(self.kernels)}"
             self.kernels[key] = self.builder.add_func(merge_run(self.mod, run), name)
-            self.members[name] = {"kernels": [b.value.args[0].name_hint for b in run.calls], "calls": {}}
+            self.members[name] = {"kernels": [b.value.args[0].name_hint for b in run.calls], "calls": {},
+                                  "views": len(run.views)}
         gv = self.kernels[key]
         calls = self.members[gv.name_hint]["calls"]
         calls[function] = calls.get(function, 0) + 1
@@ -261,6 +309,8 @@ class _Merger:
         call = relax.call_tir(gv, relax.Tuple(run.inputs), types if len(types) > 1 else types[0])
         public = [(i, v) for i, slot in enumerate(run.outputs) for v in run.public[slot]]
         tuples = [relax.VarBinding(v, relax.Tuple(fields)) for v, fields in run.rebuilt.items()]
+        tuples += [relax.VarBinding(v, relax.op.reshape(run.after(root), relax.ShapeExpr(list(v.ty.shape.values))))
+                   for v, root in run.reviewed]
         if len(public) == 1:
             return [relax.VarBinding(public[0][1], call), *tuples]
         if len(types) == 1:
@@ -291,13 +341,13 @@ class _Merger:
                               func.attrs)
 
 
-def merge_regions(mod: tvm.IRModule, functions: tuple[str, ...] = DECODE_FUNCTIONS
+def merge_regions(mod: tvm.IRModule, functions: tuple[str, ...] = DECODE_FUNCTIONS, views: bool = True
                   ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The module with each run of mergeable kernels in `functions` replaced by one region kernel, and a
-    summary for the coverage report: per region kernel the kernels it runs and its calls per step in each
-    function, and per function its kernel calls per step before the merge (`kernels`) and after it
+    summary for the coverage report: per region kernel the kernels it runs, its reshape views and its calls
+    per step in each function, and per function its kernel calls per step before the merge (`kernels`) and after it
     (`calls`: regions and unmerged kernels)."""
-    merger = _Merger(mod)
+    merger = _Merger(mod, views=views)
     for gv, func in list(mod.functions_items()):
         if gv.name_hint in functions and isinstance(func, relax.Function):
             merger.builder.update_func(gv, merger.function(gv.name_hint, func))

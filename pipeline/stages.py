@@ -295,20 +295,21 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         coverage["largest_parameter"] = _largest_parameter(defined, target)
         if not target.is_gpu and not target.npu:   # after the report: it lists the kernels, not the regions
             with report.step("merge CPU regions"):
-                mod, coverage["cpu_regions"] = merge_cpu_regions(mod)
+                mod, coverage["cpu_regions"] = merge_cpu_regions(mod, views=not target.system_lib)
         write_coverage(coverage, tmp)
         info = compile_library(mod, meta, schedules, target, prefix, key, tmp, report)
     return out, info
 
 
-def merge_cpu_regions(mod: Any) -> tuple[Any, dict[str, Any]]:
+def merge_cpu_regions(mod: Any, views: bool = True) -> tuple[Any, dict[str, Any]]:
     """The decode step's runs of CPU kernels as one parallel region each (cpu_regions.py). Reshapes that
-    lowering turns into views are rewritten first, so that they stay views."""
+    lowering turns into views are rewritten first, so that they stay views (inside a region too, unless
+    `views` is off: TVM 0.27's system-lib symbol pass fails on the buffer declarations they become)."""
     from tvm import relax
 
     from .cpu_regions import merge_regions
 
-    return merge_regions(relax.transform.RewriteDataflowReshape()(mod))
+    return merge_regions(relax.transform.RewriteDataflowReshape()(mod), views=views)
 
 
 def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], target: TargetSpec, prefix: str,

@@ -36,13 +36,13 @@ def tiny_qwen3(folder):
     return folder
 
 
-def unmerged_library(model: str, out_dir) -> str:
-    """The same model's host-cpu q4f16 library without the merge: the stages up to compile, by hand."""
+def unmerged_library(model: str, out_dir, quant: str = "q4f16") -> str:
+    """The same model's host-cpu library without the merge: the stages up to compile, by hand."""
     from pipeline.compile import attach_metadata, build_library
     from pipeline.config import load_model, load_quant, load_target
     from pipeline.stages import define, fuse, load, tune
 
-    target, quant = load_target("host-cpu"), load_quant("q4f16")
+    target, quant = load_target("host-cpu"), load_quant(quant)
     loaded = load(load_model(model))
     defined = define(loaded, quant, target)
     mod, _ = tune(fuse(defined, target), target)

@@ -127,6 +127,26 @@ def assert_close(got, want, what, rel=1e-3):
     assert diff <= rel * scale, f"{what}: max |Δ| {diff:.3g} > {rel} × logit scale {scale:.3g}"
 
 
+def test_hybrid_regions_with_views_are_bit_identical(random_model, build_bundle, tmp_path):
+    """The hybrid decode's regions run through its reshapes (q / k / v to heads, the GDN state's shapes) as
+    views of the same memory; the same library without the merge gives the same logits to the bit."""
+    from test_cpu_regions import decode_logits, unmerged_library
+
+    from pipeline.engine import Engine
+    from pipeline.tensor_cache import iter_tensor_cache
+
+    folder, _ = random_model
+    bundle = build_bundle(folder, "host-cpu", "q0f32")
+    regions = json.loads((bundle / "reports" / "coverage.json").read_text())["cpu_regions"]["regions"]
+    assert any(r["views"] and r["calls"].get("decode") for r in regions.values())
+    merged = Bundle(bundle).engine()
+    plain = Engine(unmerged_library(str(folder), tmp_path, "q0f32"), iter_tensor_cache(bundle))
+    prompt = np.random.default_rng(2).integers(0, VOCAB, 20)
+    ours, reference = decode_logits(merged, prompt, 4), decode_logits(plain, prompt, 4)
+    assert np.abs(reference).max() > 0
+    np.testing.assert_array_equal(ours, reference)
+
+
 @pytest.mark.parametrize("chunk", [None, 40], ids=["one-chunk", "two-chunks"])
 def test_q0f32_matches_transformers(random_model, build_bundle, chunk):
     folder, model = random_model
