@@ -110,6 +110,7 @@ def test_yaml_rows_parse_and_name_real_presets():
         assert m["prefill"][0] == 128 and all(isinstance(n, int) for n in m["prefill"])
         assert m["reps"] >= 1 and m.get("long_reps", 1) >= 1
         assert set(m.get("ours", cfg["ours"])) <= set(cfg["ours"])
+        assert set(m.get("llamacpp", cfg["llamacpp"])) <= set(cfg["llamacpp"])   # a model's own types: a subset
         assert set(m.get("long_prefill_schemes", [])) <= set(cfg["ours"])
     assert set(cfg["ours"]) <= set(QUANTIZATIONS), "every scheme is a configs/quant preset"
     for t in cfg["llamacpp"]:   # llama-quantize type names are LlamaFileType members without MOSTLY_
