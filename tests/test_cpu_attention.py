@@ -86,6 +86,16 @@ def _check(out, lse, want) -> None:
     assert np.abs(lse.numpy() - want[1]).max() <= TOL
 
 
+def test_decode_splits_even_out_the_threads():
+    """The fewest parts per KV head that give each thread as many tasks; unknown thread count: the default."""
+    assert [ca.decode_splits(h, 2) for h in (1, 2, 3, 4, 8)] == [2, 1, 2, 1, 1]
+    assert ca.decode_splits(3, 4) == 4 and ca.decode_splits(8, 4) == 1 and ca.decode_splits(3, 1) == 1
+    assert ca.decode_splits(3, 5) == ca.DECODE_SPLITS == ca.decode_splits(8, None)
+    here = tvm.target.Target({"kind": "llvm"})
+    cross = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-android"})
+    assert ca._native_threads(here) >= 1 and ca._native_threads(cross) is None and ca._native_threads(None) is None
+
+
 @pytest.mark.parametrize("causal", [1, 0])
 def test_ragged_prefill(kernels, causal):
     rng = np.random.default_rng(0)
@@ -130,7 +140,7 @@ def test_paged_decode(kernels):
 
 
 @pytest.mark.parametrize("h_kv,h_q,d,dtype,splits", [(2, 12, 128, "float32", 4), (3, 9, 64, "float32", 3),
-                                                     (1, 4, 64, "float16", 2)])
+                                                     (1, 4, 64, "float16", 2), (8, 16, 128, "float16", 1)])
 def test_paged_decode_groups_query_heads_and_splits_pages(h_kv, h_q, d, dtype, splits):
     """The decode task is (sequence, KV head, part of its pages): other GQA groups (6 query heads per KV head,
     qwen27b-like; a single KV head), split counts that leave parts empty (a one-page sequence) or uneven,
