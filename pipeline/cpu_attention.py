@@ -38,7 +38,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_gemv import prefetch_line
+from .cpu_gemv import native_threads, prefetch_line
 
 TILE = 16      # keys per online-softmax step
 LANES = 8      # fp32 lanes of an AVX2 / 2x NEON register: partial sums of a dot product
@@ -223,19 +223,6 @@ def decode_splits(h_kv: int, threads: int | None) -> int:
     if not threads:
         return DECODE_SPLITS
     return next((s for s in range(1, DECODE_SPLITS + 1) if h_kv * s % threads == 0), DECODE_SPLITS)
-
-
-def _native_threads(target) -> int | None:
-    """The threads a library built for this computer runs with (`cpu_gemv.build_threads`), None when
-    cross-compiled (a foreign triple) or outside a target."""
-    import platform
-
-    from .cpu_gemv import build_threads
-
-    if target is None:
-        return None
-    triple = str(target.attrs.get("mtriple", "") or "")
-    return build_threads() if not triple or triple.startswith(platform.machine()) else None
 
 
 @T.macro
@@ -535,7 +522,7 @@ def _decode_for(func: tvm.tirx.PrimFunc):
         return None
     target = tvm.target.Target.current(allow_none=True)
     return paged_decode(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2], prefetch=_has_avx2(target),
-                        splits=decode_splits(pd[1], _native_threads(target)))
+                        splits=decode_splits(pd[1], native_threads(target)))
 
 
 def _paged_prefill_for(func: tvm.tirx.PrimFunc):

@@ -400,6 +400,17 @@ def build_threads() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
 
 
+def native_threads(target) -> int | None:
+    """`build_threads()` for a library built for this computer (an LLVM target without a foreign triple),
+    else None: a cross-compiled library's thread count is the phone's, not known here."""
+    import platform
+
+    if target is None or "llvm" not in str(target.kind):
+        return None
+    triple = str(target.attrs.get("mtriple", "") or "")
+    return build_threads() if not triple or triple.startswith(platform.machine()) else None
+
+
 def k_splits(n: int, k: int, threads: int, fmt: str = "q4") -> int:
     """Parts of K for `packed_kn_gemv_int16`: one per thread (each reads one contiguous block of rows, the
     layout's whole width, which the prefetchers stream; 1.2-1.5x column spans at 2 threads on SmolLM2's

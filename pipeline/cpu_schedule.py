@@ -13,7 +13,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
-from .cpu_gemv import build_threads, float_nt_gemv_like, packed_kn_gemv_like
+from .cpu_gemv import float_nt_gemv_like, native_threads, packed_kn_gemv_like
 from .cpu_prefill import packed_kn_matmul_like
 
 
@@ -108,14 +108,8 @@ def _has_vnni(target) -> bool:
 
 
 def _host_threads(target) -> int:
-    """`build_threads()` for a library built for this computer (an LLVM target without a foreign triple),
-    else 1: a cross-compiled library's thread count is the phone's, not known here."""
-    import platform
-
-    if target is None or "llvm" not in str(target.kind):
-        return 1
-    triple = str(target.attrs.get("mtriple", "") or "")
-    return build_threads() if not triple or triple.startswith(platform.machine()) else 1
+    """`cpu_gemv.native_threads`, else 1 (a cross-compiled library is split for one thread)."""
+    return native_threads(target) or 1
 
 
 def _inline_producers(func: tirx.PrimFunc):

@@ -93,7 +93,7 @@ def test_decode_splits_even_out_the_threads():
     assert ca.decode_splits(3, 5) == ca.DECODE_SPLITS == ca.decode_splits(8, None)
     here = tvm.target.Target({"kind": "llvm"})
     cross = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-android"})
-    assert ca._native_threads(here) >= 1 and ca._native_threads(cross) is None and ca._native_threads(None) is None
+    assert ca.native_threads(here) >= 1 and ca.native_threads(cross) is None and ca.native_threads(None) is None
 
 
 @pytest.mark.parametrize("causal", [1, 0])

@@ -11,6 +11,7 @@ import pytest
 import tvm
 from tvm import te, tirx
 
+from pipeline import cpu_gemv
 from pipeline.config import load_target
 from pipeline.coverage import classify
 from pipeline.cpu_schedule import CPUInlineParallel, _has_avx2, _has_vnni
@@ -260,10 +261,9 @@ def test_decode_q4_gemv_takes_int16_dot_products_on_avx2(n, threads, monkeypatch
     """With AVX2 (host-cpu's -mcpu here) the q4 GEMV is the pmaddwd kernel: x quantized per group of 32 to
     int16, so the result matches the fp32 TE within 2^-15 of each group's largest |x| times the weights'
     magnitude — measured ~2e-5 relative; bounded here at 2e-4 of the largest output."""
-    from pipeline import cpu_schedule as cs
     from pipeline.cpu_gemv import k_splits
 
-    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
     assert k_splits(n, K, threads) == threads
     func = _q4_gemv_func(n, relax_order=True)
     sch = CPUInlineParallel().apply(func, AVX2, False)
@@ -292,9 +292,8 @@ def test_hand_written_gemv_only_replaces_its_own_pattern():
 def test_decode_q8_gemv_is_the_hand_written_kernel(threads, monkeypatch):
     """int8 codes (q8f16, and the lm_head of the ternary schemes): the same span walk, sign-extended codes;
     K split one part per thread of a library built for this computer."""
-    from pipeline import cpu_schedule as cs
 
-    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
     func = _dequant_matmul("KN", 8, 1)
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     assert 'sblock("dequantize' not in sch.mod["main"].script()
@@ -322,9 +321,8 @@ def _t2_gemv_func(k: int, n: int = 48, fmt: str = "t2"):
 def test_decode_t2_gemv_takes_int16_dot_products_on_avx2(k, threads, monkeypatch):
     """t2 on AVX2: the same pmaddwd kernel with 2-bit fields (codes c and c + 8 per lane pair), x in int16
     per group of 128; K split up to `threads` ways, parts of unequal group counts when they do not divide."""
-    from pipeline import cpu_schedule as cs
 
-    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
     func = _t2_gemv_func(k)
     sch = CPUInlineParallel().apply(func, AVX2, False)
     assert "pmadd.wd" in sch.mod["main"].script()
@@ -340,9 +338,8 @@ def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monke
     """With AVX-512 VNNI (this machine's znver4, if it is one) q4 and t2 take the vpdpbusd kernel: x at the
     int16 kernel's precision, split into two signed bytes, so the same bound holds: within 2e-4 of the
     largest output of the fp32 TE (measured 2e-5 to 7e-5)."""
-    from pipeline import cpu_schedule as cs
 
-    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
     func = _q4_gemv_func(n, relax_order=True) if fmt == "q4" else _t2_gemv_func(k, n, fmt)   # q4: K = 96
     sch = CPUInlineParallel().apply(func, HOST, False)
     text = sch.mod["main"].script()
@@ -410,9 +407,8 @@ def test_decode_q8_gemv_takes_byte_dot_products_with_vnni(n, k, threads, monkeyp
     """q8 with VNNI: 4 rows of codes interleaved per column, sign bits flipped, vpdpbusd against x in two
     bytes: within 2e-4 of the fp32 TE's largest output (measured ~2e-5); N not a multiple of 32 keeps the
     fp32 kernel."""
-    from pipeline import cpu_schedule as cs
 
-    monkeypatch.setattr(cs, "build_threads", lambda: threads)
+    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
     func = _q8_gemv_func(n, k)
     sch = CPUInlineParallel().apply(func, HOST, False)
     assert "vpdpbusd" in sch.mod["main"].script()
@@ -520,7 +516,7 @@ def test_decode_gemv_tasks_keep_their_accumulators_off_the_heap(kind, monkeypatc
     were not); a plain scalar assignment (`col = ...`) is such a one-element allocation too."""
     from pipeline import cpu_schedule as cs
 
-    monkeypatch.setattr(cs, "build_threads", lambda: 2)
+    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: 2)
     monkeypatch.setattr(cs, "SERIAL_WORK", 1)
     func = {"q4": lambda: _q4_gemv_func(72, relax_order=True), "q4-vnni": lambda: _q4_gemv_func(72, relax_order=True),
             "q8": lambda: _q8_gemv_func(64, K), "q8-vnni": lambda: _q8_gemv_func(64, K),
