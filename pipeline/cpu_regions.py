@@ -127,7 +127,6 @@ class Run:
             ty = b.var.ty
             fields = ty.fields if isinstance(ty, relax.TupleType) else None
             self.types.update({(b.var, i): f for i, f in enumerate(fields)} if fields else {b.var: ty})
-        self.order = {b.var: i for i, b in enumerate(bindings)}
         inside: dict = {}
         for b in bindings:
             for ref in self.references(b):
@@ -142,7 +141,7 @@ class Run:
             for arg in self.references(b) if not isinstance(b.value, relax.TupleGetItem) else []:
                 if not self.made(self.slot(arg)) and arg not in self.inputs:
                     self.inputs.append(arg)
-        for v in sorted(outside, key=lambda var: self.order[var]):
+        for v in (b.var for b in bindings if b.var in outside):   # binding order
             if isinstance(v.ty, relax.TupleType):     # handed back field by field, then made a tuple again
                 self.rebuilt[v] = [relax.DataflowVar(f"{v.name}_{i}", f) for i, f in enumerate(v.ty.fields)]
                 for i, field in enumerate(self.rebuilt[v]):
@@ -205,8 +204,7 @@ def merge_run(mod: tvm.IRModule, run: Run) -> tirx.PrimFunc:
     views = []
     for i, v in enumerate(run.views):     # binding order: a view's source has its buffer already
         base = buffers[run.slot(run.views[v])]
-        buffers[v] = tirx.decl_buffer([tirx.IntImm("int64", d) for d in _static_shape(v.ty)], v.ty.dtype,
-                                      f"view{i}")
+        buffers[v] = _buffer(v.ty, f"view{i}")
         views.append(tirx.DeclBuffer(buffers[v], data=base.data))
     allocs, stmts = [], []
     for b in run.calls:
@@ -270,8 +268,7 @@ class _Merger:
         if isinstance(value, relax.TupleGetItem):        # an output of a multi-output kernel of the run
             return any(value.tuple_value.same_as(b.var) for b in run)
         if _is_view(binding):      # a view inside a run (one at its end is left out by `region`)
-            return self.views and bool(run) and all(_static_shape(t) and t.dtype == value.args[0].ty.dtype
-                                     for t in (binding.var.ty, value.args[0].ty))
+            return self.views and bool(run) and all(_static_shape(t) for t in (binding.var.ty, value.args[0].ty))
         if not isinstance(value, relax.Call) or value.op != CALL_TIR or len(value.args) != 2:
             return False      # (a call_tir with symbolic-shape arguments has a third: tir_vars)
         ty = binding.var.ty
@@ -309,7 +306,7 @@ class _Merger:
         call = relax.call_tir(gv, relax.Tuple(run.inputs), types if len(types) > 1 else types[0])
         public = [(i, v) for i, slot in enumerate(run.outputs) for v in run.public[slot]]
         tuples = [relax.VarBinding(v, relax.Tuple(fields)) for v, fields in run.rebuilt.items()]
-        tuples += [relax.VarBinding(v, relax.op.reshape(run.after(root), relax.ShapeExpr(list(v.ty.shape.values))))
+        tuples += [relax.VarBinding(v, relax.op.reshape(run.after(root), v.ty.shape))
                    for v, root in run.reviewed]
         if len(public) == 1:
             return [relax.VarBinding(public[0][1], call), *tuples]
