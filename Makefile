@@ -108,9 +108,11 @@ bench-convert: $(STAMP)
 	$(PY) benchmarks/convert_stream.py $(BENCH_ARGS)
 
 # llama.cpp's tools (quantize, perplexity, bench) built from the llama-cpp-python sdist into
-# .cache/llama.cpp/ (never committed; reused). cmake + ninja come from pip (the bench extra) when missing.
+# .cache/llama.cpp/ (never committed; reused). cmake + ninja + sentencepiece (the converter needs it for a
+# Llama tokenizer) come from pip (the bench extra) when missing.
 llamacpp: $(STAMP)
-	@command -v cmake >/dev/null && command -v ninja >/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	@command -v cmake >/dev/null && command -v ninja >/dev/null && $(PY) -c 'import sentencepiece' 2>/dev/null \
+		|| $(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/llamacpp.py
 
 # Quantization quality: perplexity, KL vs the float base, top-1 agreement, bits/weight of our schemes
