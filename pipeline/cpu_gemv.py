@@ -30,7 +30,7 @@ On x86 with AVX2, x is quantized per weight group to int16 and the codes meet it
 signed bytes at the same precision (`packed_kn_gemv_vnni` for q4 / t2, `q8_kn_gemv_vnni` for q8, whose KN
 rows are interleaved 4 at a time first): fewer instructions per weight, which is what bounded these
 kernels at 2 threads (ternary_ptq decode 7.15 -> 6.14 ms per token side by side on SmolLM2, most of it the
-q8 lm_head).
+q8 lm_head). q8 on AVX2 without VNNI takes `q8_kn_gemv_int16` (row pairs interleaved, pmaddwd).
 
 Same result as the fused TE up to fp32 summation order (the integer kernels: up to x's int16 rounding). `CPUInlineParallel` substitutes this kernel for a
 function that is exactly that fused pattern (`match_packed_kn_gemv`); anything else keeps the schedules.
@@ -139,7 +139,8 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
 def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot: bool = False,
                         threads: int = 1, byte_dot: bool = False) -> tirx.PrimFunc | None:
     """The hand-written kernel with `func`'s parameter order, or None when `func` is not such a GEMV.
-    `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`); `byte_dot`: it
+    `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`, q8
+    `q8_kn_gemv_int16`); `byte_dot`: it
     has AVX-512 VNNI's vpdpbusd on 256-bit vectors (then `packed_kn_gemv_vnni`, q8 `q8_kn_gemv_vnni`). `threads`: the
     threads the library runs with when known (host-cpu: `build_threads`), K split that many ways (int16 and
     q8 kernels); 1 keeps column spans (a cross-compiled target: the phone's thread count is not known)."""
@@ -153,6 +154,8 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
         kernel = packed_kn_gemv_int16(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     elif fmt == "q8" and byte_dot and n % Q8_TILE == 0 and FORMATS[fmt].group % 4 == 0:
         kernel = q8_kn_gemv_vnni(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
+    elif fmt == "q8" and int16_dot and n % (2 * Q8_INT16_BLOCK) == 0 and FORMATS[fmt].group % 2 == 0:
+        kernel = q8_kn_gemv_int16(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     elif fmt == "q8":
         kernel = q8_kn_gemv(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     else:
@@ -376,6 +379,86 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
                         partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
                             task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
                             vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (part[j] + part[vecs + j])
+            if splits == 1:     # static: the columns' own sums are the result
+                _copy_row(out, partial, 0, task * span, span)
+        if splits > 1:
+            _copy_row(out, partial, 0, 0, n)
+            for p in range(1, splits):
+                _add_row(out, partial, p, n)
+
+    return gemv
+
+
+Q8_INT16_BLOCK = 16   # columns per pair of row loads in the AVX2 q8 kernel: two int32x8 sums
+Q8_INT16_BLOCKS = 3   # blocks per step when N allows (48 columns: 6 sums in registers), else 2 (one block
+# alone failed TVM's storage rewrite: "index_lanes == value_dtype.lanes()"; N not a multiple of 32 keeps fp32)
+# bytes 0-7 (8-15) of rows k and k + 1 interleaved: column j's two codes side by side, then sign-extended to int16
+_PAIR_LO = [i // 2 + (Q8_INT16_BLOCK if i % 2 else 0) for i in range(Q8_INT16_BLOCK)]
+_PAIR_HI = [8 + c for c in _PAIR_LO]
+
+
+def q8_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", splits: int = 1
+                     ) -> tirx.PrimFunc:
+    """The q8 GEMV with integer dot products on AVX2 (no VNNI): x quantized per group to int16 as in
+    `packed_kn_gemv_int16` (~2e-5 relative to the fp32 kernel). `pmaddwd` multiplies pairs of int16 lanes, but
+    KN codes hold a column's consecutive k in different rows: rows k and k + 1 of 16 columns are interleaved
+    byte by byte (one unpack) and sign-extended to int16, so each int32 lane gets c[k, j] q[k] + c[k+1, j]
+    q[k+1] against the broadcast pair (q[k], q[k+1]). A group's sum is exact in int32 (32 x 127 x 32767 <
+    2^31) before its conversion to fp32. 10 instructions per 2 x 16 codes (load, unpack, extend, pmaddwd, add
+    per half) instead of 12 (sign-extend, convert, FMA per 8), and half the multiplies: the fp32 kernel was
+    compute-bound on Zen 3 (q8f16 decode 8.5 GB/s, the ternary schemes' q8 lm_head). Side by side there, 2
+    threads: decode 1.12x on SmolLM2 q8f16, 1.15x ternary_ptq, 1.07x ternary_ptq on the 0.49B Qwen3 (whose
+    q8 lm_head still streams at only 7.7 GB/s: a third of its step)."""
+    blocks = next(b for b in (Q8_INT16_BLOCKS, 2) if n % (b * Q8_INT16_BLOCK) == 0)
+    tile = blocks * Q8_INT16_BLOCK
+    span = n if splits > 1 else _span(n, tile)
+    group, groups = spec.group, k // spec.group
+    col_tasks = n // span
+    i64 = T.int64
+    vf, vi, vh = f"float32x{LANES}", f"int32x{LANES}", f"int16x{2 * LANES}"
+
+    @T.prim_func(private=True)
+    def gemv(w: T.Buffer((i64(k), i64(n)), "int8"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+             x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        q = T.alloc_buffer((k,), "int32")            # x in int16 steps of its group
+        pairs = T.alloc_buffer((k // 2,), "int32")   # int16 q[2 i] | q[2 i + 1] << 16
+        d = T.alloc_buffer((groups,), "float32")
+        offset = T.alloc_buffer((groups,), "int32")  # unused: q8 codes have no offset
+        partial = T.alloc_buffer((splits, n), "float32")
+        lanes_f = T.alloc_buffer((LANES,), "float32")
+        lanes_i = T.alloc_buffer((LANES,), "int32")
+        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, 0)
+        for i0 in range(k // 2 // LANES):    # 8 lanes at a time: one k // 2-lane vector took LLVM minutes
+            for i1 in T.vectorized(LANES):
+                pairs[i0 * LANES + i1] = T.bitwise_or(T.bitwise_and(q[2 * (i0 * LANES + i1)], 65535),
+                                                      T.shift_left(q[2 * (i0 * LANES + i1) + 1], 16))
+        for task in T.parallel(splits * col_tasks):
+            part = T.alloc_buffer((2 * blocks,), vi)
+            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
+            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
+                for t in range(span // tile):
+                    col: T.let[T.int32] = task % col_tasks * span + t * tile
+                    for j in T.unroll(2 * blocks):
+                        part[j] = T.Broadcast(0, LANES)
+                    for kk in range(group // 2):
+                        for b in T.unroll(blocks):
+                            part[2 * b] = part[2 * b] + T.call_llvm_pure_intrin(
+                                vi, "llvm.x86.avx2.pmadd.wd", T.Cast(vh, T.Shuffle(
+                                    [w[g * group + 2 * kk, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)],
+                                     w[g * group + 2 * kk + 1, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)]],
+                                    _PAIR_LO)),
+                                T.reinterpret(vh, T.Broadcast(pairs[g * group // 2 + kk], LANES)))
+                            part[2 * b + 1] = part[2 * b + 1] + T.call_llvm_pure_intrin(
+                                vi, "llvm.x86.avx2.pmadd.wd", T.Cast(vh, T.Shuffle(
+                                    [w[g * group + 2 * kk, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)],
+                                     w[g * group + 2 * kk + 1, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)]],
+                                    _PAIR_HI)),
+                                T.reinterpret(vh, T.Broadcast(pairs[g * group // 2 + kk], LANES)))
+                    for j in T.unroll(2 * blocks):
+                        partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
+                            task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
+                            vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(vf, part[j])
             if splits == 1:     # static: the columns' own sums are the result
                 _copy_row(out, partial, 0, task * span, span)
         if splits > 1:

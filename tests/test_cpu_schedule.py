@@ -400,6 +400,33 @@ def _q8_gemv_func(n: int, k: int):
     return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
 
 
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.parametrize("n,k", [(96, 96), (64, 576), (48, 64), (80, 64)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_q8_gemv_takes_int16_dot_products_on_avx2(n, k, threads, monkeypatch):
+    """q8 on AVX2 without VNNI: rows k / k+1 interleaved per column and sign-extended, pmaddwd against x's
+    int16 pair: within 2e-4 of the fp32 TE's largest output (measured ~2e-5); 3 or 2 blocks of 16 columns
+    per step; N not a multiple of 32 keeps the fp32 kernel. Codes at -127 / 127 with x at one value: the
+    largest group sums, exact."""
+    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
+    func = _q8_gemv_func(n, k)
+    sch = CPUInlineParallel().apply(func, AVX2, False)
+    text = sch.mod["main"].script()
+    assert ("pmadd.wd" in text) == (n % 32 == 0) and "vpdpbusd" not in text
+    if n % 32:
+        return
+    want = _run(func, 1)
+    np.testing.assert_allclose(_run(sch.mod["main"], 1, AVX2), want, rtol=0, atol=2e-4 * np.abs(want).max())
+    for code in (127, -127):
+        args = [np.full((k, n), code, np.int8), np.ones((k // 32, n), "float16"), np.full((1, 1, k), 0.5, "float32")]
+        got = []
+        for f, target in ((sch.mod["main"], AVX2), (func, None)):
+            t = [tvm.runtime.tensor(a) for a in args] + [tvm.runtime.tensor(np.zeros((1, 1, n), "float32"))]
+            tvm.compile(tvm.IRModule({"main": f}), target=target or tvm.target.Target({"kind": "llvm"}))["main"](*t)
+            got.append(t[-1].numpy())
+        np.testing.assert_allclose(got[0], got[1], rtol=1e-6)
+
+
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("n,k", [(192, 96), (96, 576), (64, 64)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
