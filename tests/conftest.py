@@ -30,16 +30,19 @@ def dist_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def build_bundle(dist_dir):
-    """build_bundle(model, target, quant) -> bundle path; each combination is built once per session."""
+    """build_bundle(model, target, quant) -> bundle path; each combination is built once per session.
+    `verify=False` skips the build-time PoCL run of a GPU target's kernels (tests/test_execution.py pins it)
+    for tests that check other things; such a bundle goes to its own folder."""
     from pipeline.progress import Reporter
     from pipeline.stages import run_pipeline
 
     built: dict[tuple, Path] = {}
 
-    def _build(model: str, target: str = "host-cpu", quant: str = "q0f32") -> Path:
-        key = (str(model), target, quant)
+    def _build(model: str, target: str = "host-cpu", quant: str = "q0f32", verify: bool | None = None) -> Path:
+        key = (str(model), target, quant, verify)
         if key not in built:
-            built[key] = run_pipeline(str(model), target, quant, out=str(dist_dir),
+            out = dist_dir if verify is None else dist_dir / f"verify-{verify}"
+            built[key] = run_pipeline(str(model), target, quant, out=str(out), verify=verify,
                                       report=Reporter(quiet=True)).bundle
         return built[key]
 

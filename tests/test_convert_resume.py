@@ -207,6 +207,8 @@ def _cli_build(model: Path, out: Path, cache: Path, fail_after: int | None = Non
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow     # two CLI builds + one in-process (~95 s): `make test-slow`; the resume logic itself is
+# pinned by the tests above
 def test_killed_cli_build_resumes_to_identical_bundle(tmp_path, monkeypatch):
     from pipeline.stages import run_pipeline
 

@@ -79,6 +79,7 @@ def test_verdicts_for_other_targets():
 
 
 @needs_pocl
+@pytest.mark.slow     # a full uncached Adreno build + PoCL run (~60 s): `make test-slow`
 def test_a_crashing_kernel_costs_only_its_own_verdict(tiny_llama, tmp_path, monkeypatch):
     """Kernels run in a child process: one that kills it (here: an abort injected on rms_norm) is marked
     crashed, the others still run."""

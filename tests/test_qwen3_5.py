@@ -281,7 +281,7 @@ def test_phone_targets_place_every_hybrid_kernel(random_model, build_bundle, tar
     import tarfile
 
     folder, _ = random_model
-    bundle = build_bundle(folder, target, "q4f16")
+    bundle = build_bundle(folder, target, "q4f16", verify=False)   # placement only: 20 s, not 65 (PoCL run: below)
     kernels = {k["name"]: k for k in json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]}
     for name in ("gdn_prefill", "gdn_decode", "rnn_state_get_1", "rnn_state_set_1"):
         assert name in kernels, sorted(kernels)
@@ -296,6 +296,20 @@ def test_phone_targets_place_every_hybrid_kernel(random_model, build_bundle, tar
         source = tar.extractfile(devc).read()
     for name in ("gdn_prefill", "gdn_decode", "gdn_gates", "gdn_conv1d_silu", "rnn_state_get_1", "rnn_state_set_0"):
         assert f"qwen3_5_q4f16_{name}".encode() in source or f"qwen3_5_q4f16_fused_{name}".encode() in source, name
+
+
+@pytest.mark.slow     # the default Adreno build, its kernels run on PoCL at build time (~65 s): `make test-slow`
+def test_hybrid_adreno_build_runs_its_kernels_on_pocl(random_model, build_bundle):
+    from pipeline.verify_opencl import find_opencl_device
+
+    if find_opencl_device() is None:
+        pytest.skip("no OpenCL platform (install pocl-opencl-icd)")
+    cov = json.loads((build_bundle(random_model[0], "android-adreno", "q4f16") / "reports" / "coverage.json"
+                      ).read_text())
+    rows = {r["name"]: r["executed"] for r in cov["kernels"]}
+    e = cov["summary"]["execution"]
+    print({n: v for n, v in rows.items() if not v.startswith("executed here")})
+    assert not e["mismatched"] and e["executed"] >= 20 and e["executed"] + e["not_executed"] == len(rows)
 
 
 def test_pipeline_run_drives_a_hybrid_bundle(trained_model, build_bundle, capsys):
