@@ -271,6 +271,43 @@ def _add_row(out: T.Buffer, partial: T.Buffer, row: T.int32, length: T.int32):
             out[0, 0, jo * LANES + ji] = out[0, 0, jo * LANES + ji] + partial[row, jo * LANES + ji]
 
 
+@T.macro
+def _split_task(out: T.Buffer, partial: T.Buffer, task, col_tasks: T.int32, span: T.int32, tile: T.int32,
+                groups: T.int32, splits: T.int32, accumulate, buffers: tuple):
+    """One parallel task of a split GEMV: with `splits` > 1 part task // col_tasks of K's groups over all
+    outputs (span = n, col_tasks = 1), else its own column span over all of K. Zeroes its row of partial
+    sums, then per group g of its part and per `tile` columns calls `accumulate(*buffers, row, g, col, end)`
+    (the kernel's own macro: adds the group's sums into partial[row, col: col + tile]; `buffers`: the ones
+    it reads and writes, the task's own scratch included; end: the part's last group + 1, for prefetching);
+    a column span's sums are its outputs at once."""
+    _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
+    for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
+        for t in range(span // tile):
+            col: T.let[T.int32] = task % col_tasks * span + t * tile
+            accumulate(*buffers, task // col_tasks, g, col, (task // col_tasks + 1) * groups // splits)
+    if splits == 1:     # static: the columns' own sums are the result
+        _copy_row(out, partial, 0, task * span, span)
+
+
+@T.macro
+def _sum_parts(out: T.Buffer, partial: T.Buffer, splits: T.int32, n: T.int32):
+    """After the tasks of a K split: out = the sum of the parts' rows of partial sums (none for column spans)."""
+    if splits > 1:
+        _copy_row(out, partial, 0, 0, n)
+        for p in range(1, splits):
+            _add_row(out, partial, p, n)
+
+
+_FLOATS = f"float32x{LANES}"
+
+
+@T.macro
+def _add_scaled(partial: T.Buffer, row: T.int32, col: T.int32, s: T.Buffer, g: T.int32, d: T.Buffer, sums):
+    """partial[row, col: col + 8] += scale * x's step * a group's integer sums of those columns."""
+    partial[row, T.Ramp(col, 1, LANES)] = partial[row, T.Ramp(col, 1, LANES)] + T.Cast(
+        _FLOATS, s[g, T.Ramp(col, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(_FLOATS, sums)
+
+
 PREFETCH_MAX_AHEAD = 256 * 1024   # bytes: one group ahead farther than this is left to the hardware
 
 
@@ -356,6 +393,20 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
     i64 = T.int64
     vf, vi, vc = f"float32x{LANES}", f"int32x{LANES}", f"int8x{LANES}"
 
+    @T.macro
+    def accumulate(w, s, x, partial, part, row, g, col, end):
+        for j in T.unroll(2 * vecs):
+            part[j] = T.Broadcast(T.float32(0), LANES)
+        for kk in range(group // 2):
+            for c in T.unroll(2):
+                for j in T.unroll(vecs):
+                    part[c * vecs + j] = part[c * vecs + j] + T.Cast(vf, T.Cast(vi, T.Cast(
+                        vc, w[g * group + kk * 2 + c, T.Ramp(col + j * LANES, 1, LANES)]))) * T.Broadcast(
+                        x[0, 0, g * group + kk * 2 + c], LANES)
+        for j in T.unroll(vecs):
+            partial[row, T.Ramp(col + j * LANES, 1, LANES)] = partial[row, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
+                vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (part[j] + part[vecs + j])
+
     @T.prim_func(private=True)
     def gemv(w: T.Buffer((i64(k), i64(n)), "int8"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
              x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
@@ -363,28 +414,8 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
         partial = T.alloc_buffer((splits, n), "float32")
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((2 * vecs,), vf)
-            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
-            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
-                for t in range(span // tile):
-                    col: T.let[T.int32] = task % col_tasks * span + t * tile
-                    for j in T.unroll(2 * vecs):
-                        part[j] = T.Broadcast(T.float32(0), LANES)
-                    for kk in range(group // 2):
-                        for c in T.unroll(2):
-                            for j in T.unroll(vecs):
-                                part[c * vecs + j] = part[c * vecs + j] + T.Cast(vf, T.Cast(vi, T.Cast(
-                                    vc, w[g * group + kk * 2 + c, T.Ramp(col + j * LANES, 1, LANES)]))) * T.Broadcast(
-                                    x[0, 0, g * group + kk * 2 + c], LANES)
-                    for j in T.unroll(vecs):
-                        partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
-                            task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
-                            vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (part[j] + part[vecs + j])
-            if splits == 1:     # static: the columns' own sums are the result
-                _copy_row(out, partial, 0, task * span, span)
-        if splits > 1:
-            _copy_row(out, partial, 0, 0, n)
-            for p in range(1, splits):
-                _add_row(out, partial, p, n)
+            _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate, (w, s, x, partial, part))
+        _sum_parts(out, partial, splits, n)
 
     return gemv
 
@@ -415,7 +446,27 @@ def q8_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
     group, groups = spec.group, k // spec.group
     col_tasks = n // span
     i64 = T.int64
-    vf, vi, vh = f"float32x{LANES}", f"int32x{LANES}", f"int16x{2 * LANES}"
+    vi, vh = f"int32x{LANES}", f"int16x{2 * LANES}"
+
+    @T.macro
+    def pair_dot(part, j, w, row, col, pair, order):
+        """part[j] += the pmaddwd of rows row, row + 1 of 16 columns from col, interleaved by `order`, with x's
+        int16 pair."""
+        part[j] = part[j] + T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", T.Cast(vh, T.Shuffle(
+            [w[row, T.Ramp(col, 1, Q8_INT16_BLOCK)], w[row + 1, T.Ramp(col, 1, Q8_INT16_BLOCK)]], order)),
+            T.reinterpret(vh, T.Broadcast(pair, LANES)))
+
+    @T.macro
+    def accumulate(w, s, pairs, d, partial, part, row, g, col, end):
+        for j in T.unroll(2 * blocks):
+            part[j] = T.Broadcast(0, LANES)
+        for kk in range(group // 2):
+            for b in T.unroll(blocks):    # the block's columns 0-7, then 8-15
+                pair_dot(part, 2 * b, w, g * group + 2 * kk, col + b * Q8_INT16_BLOCK, pairs[g * group // 2 + kk], _PAIR_LO)
+                pair_dot(part, 2 * b + 1, w, g * group + 2 * kk, col + b * Q8_INT16_BLOCK, pairs[g * group // 2 + kk],
+                         _PAIR_HI)
+        for j in T.unroll(2 * blocks):
+            _add_scaled(partial, row, col + j * LANES, s, g, d, part[j])
 
     @T.prim_func(private=True)
     def gemv(w: T.Buffer((i64(k), i64(n)), "int8"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
@@ -424,7 +475,7 @@ def q8_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
         q = T.alloc_buffer((k,), "int32")            # x in int16 steps of its group
         pairs = T.alloc_buffer((k // 2,), "int32")   # int16 q[2 i] | q[2 i + 1] << 16
         d = T.alloc_buffer((groups,), "float32")
-        offset = T.alloc_buffer((groups,), "int32")  # unused: q8 codes have no offset
+        offset = T.alloc_buffer((groups,), "int32")  # `_quantize_groups` writes 0 there: q8 codes have no offset
         partial = T.alloc_buffer((splits, n), "float32")
         lanes_f = T.alloc_buffer((LANES,), "float32")
         lanes_i = T.alloc_buffer((LANES,), "int32")
@@ -435,36 +486,9 @@ def q8_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
                                                       T.shift_left(q[2 * (i0 * LANES + i1) + 1], 16))
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((2 * blocks,), vi)
-            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
-            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
-                for t in range(span // tile):
-                    col: T.let[T.int32] = task % col_tasks * span + t * tile
-                    for j in T.unroll(2 * blocks):
-                        part[j] = T.Broadcast(0, LANES)
-                    for kk in range(group // 2):
-                        for b in T.unroll(blocks):
-                            part[2 * b] = part[2 * b] + T.call_llvm_pure_intrin(
-                                vi, "llvm.x86.avx2.pmadd.wd", T.Cast(vh, T.Shuffle(
-                                    [w[g * group + 2 * kk, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)],
-                                     w[g * group + 2 * kk + 1, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)]],
-                                    _PAIR_LO)),
-                                T.reinterpret(vh, T.Broadcast(pairs[g * group // 2 + kk], LANES)))
-                            part[2 * b + 1] = part[2 * b + 1] + T.call_llvm_pure_intrin(
-                                vi, "llvm.x86.avx2.pmadd.wd", T.Cast(vh, T.Shuffle(
-                                    [w[g * group + 2 * kk, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)],
-                                     w[g * group + 2 * kk + 1, T.Ramp(col + b * Q8_INT16_BLOCK, 1, Q8_INT16_BLOCK)]],
-                                    _PAIR_HI)),
-                                T.reinterpret(vh, T.Broadcast(pairs[g * group // 2 + kk], LANES)))
-                    for j in T.unroll(2 * blocks):
-                        partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
-                            task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
-                            vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(vf, part[j])
-            if splits == 1:     # static: the columns' own sums are the result
-                _copy_row(out, partial, 0, task * span, span)
-        if splits > 1:
-            _copy_row(out, partial, 0, 0, n)
-            for p in range(1, splits):
-                _add_row(out, partial, p, n)
+            _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate,
+                        (w, s, pairs, d, partial, part))
+        _sum_parts(out, partial, splits, n)
 
     return gemv
 
@@ -538,7 +562,35 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
     col_tasks = n // span
     prefetch = _prefetches(per_group * n * 4)
     i64 = T.int64
-    vf, vi, vu, vh = f"float32x{LANES}", f"int32x{LANES}", f"uint32x{LANES}", f"int16x{2 * LANES}"
+    vi, vu, vh = f"int32x{LANES}", f"uint32x{LANES}", f"int16x{2 * LANES}"
+
+    @T.macro
+    def masked_dot(sums, j, word, shift, field_mask, pair):
+        """sums[j] += the pmaddwd of `word` shifted down by `shift`, masked to one field per int16 half, with
+        x's int16 pair."""
+        sums[j] = sums[j] + T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", T.reinterpret(
+            vh, T.bitwise_and(T.shift_right(word, T.Broadcast(T.uint32(shift), LANES)),
+                              T.Broadcast(T.uint32(field_mask), LANES))),
+            T.reinterpret(vh, T.Broadcast(pair, LANES)))
+
+    @T.macro
+    def accumulate(w, s, pairs, d, offset, partial, part, high, word, row, g, col, end):
+        for j in T.unroll(vecs):
+            part[j] = T.Broadcast(0, LANES)
+            high[j] = T.Broadcast(0, LANES)
+        for kw in range(T.min(per_group, words - g * per_group)):
+            if prefetch and g + 1 < end:   # own next group
+                _prefetch_row(w, (g + 1) * per_group + kw, col, words, n, 2, 16)
+            for j in T.unroll(vecs):
+                word[j] = w[g * per_group + kw, T.Ramp(col + j * LANES, 1, LANES)]
+            for c2 in T.unroll(half // 2):
+                for j in T.unroll(vecs):
+                    masked_dot(part, j, word[j], 2 * bits * c2, mask, pairs[(g * per_group + kw) * half + 2 * c2])
+                    masked_dot(high, j, word[j], 2 * bits * c2, mask << bits,
+                               pairs[(g * per_group + kw) * half + 2 * c2 + 1])
+        for j in T.unroll(vecs):
+            _add_scaled(partial, row, col + j * LANES, s, g, d, part[j] + T.shift_right(
+                high[j], T.Broadcast(bits, LANES)) - T.Broadcast(offset[g], LANES))
 
     @T.prim_func(private=True)
     def gemv(w: T.Buffer((i64(words), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
@@ -560,40 +612,9 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
             part = T.alloc_buffer((vecs,), vi)       # even codes c of the pairs
             high = T.alloc_buffer((vecs,), vi)       # odd codes, masked in place: 2^bits times their sum
             word = T.alloc_buffer((vecs,), vu)
-            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
-            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
-                for t in range(span // tile):
-                    col: T.let[T.int32] = task % col_tasks * span + t * tile
-                    for j in T.unroll(vecs):
-                        part[j] = T.Broadcast(0, LANES)
-                        high[j] = T.Broadcast(0, LANES)
-                    for kw in range(T.min(per_group, words - g * per_group)):
-                        if prefetch and g + 1 < (task // col_tasks + 1) * groups // splits:   # own next group
-                            _prefetch_row(w, (g + 1) * per_group + kw, col, words, n, 2, 16)
-                        for j in T.unroll(vecs):
-                            word[j] = w[g * per_group + kw, T.Ramp(col + j * LANES, 1, LANES)]
-                        for c2 in T.unroll(half // 2):
-                            for j in T.unroll(vecs):
-                                part[j] = part[j] + T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", T.reinterpret(
-                                    vh, T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(2 * bits * c2), LANES)),
-                                                      T.Broadcast(T.uint32(mask), LANES))),
-                                    T.reinterpret(vh, T.Broadcast(pairs[(g * per_group + kw) * half + 2 * c2], LANES)))
-                                high[j] = high[j] + T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", T.reinterpret(
-                                    vh, T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(2 * bits * c2), LANES)),
-                                                      T.Broadcast(T.uint32(mask << bits), LANES))),
-                                    T.reinterpret(vh, T.Broadcast(pairs[(g * per_group + kw) * half + 2 * c2 + 1], LANES)))
-                    for j in T.unroll(vecs):
-                        partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
-                            task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
-                            vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
-                            vf, part[j] + T.shift_right(high[j], T.Broadcast(bits, LANES)) - T.Broadcast(
-                                offset[g], LANES))
-            if splits == 1:     # static: the columns' own sums are the result
-                _copy_row(out, partial, 0, task * span, span)
-        if splits > 1:
-            _copy_row(out, partial, 0, 0, n)
-            for p in range(1, splits):
-                _add_row(out, partial, p, n)
+            _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate,
+                        (w, s, pairs, d, offset, partial, part, high, word))
+        _sum_parts(out, partial, splits, n)
 
     return gemv
 
@@ -625,7 +646,28 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
     col_tasks = n // span
     prefetch = _prefetches(per_group * n * 4)
     i64 = T.int64
-    vf, vi, vu, vb = f"float32x{LANES}", f"int32x{LANES}", f"uint32x{LANES}", f"int8x{4 * LANES}"
+    vi, vu, vb = f"int32x{LANES}", f"uint32x{LANES}", f"int8x{4 * LANES}"
+
+    @T.macro
+    def accumulate(w, s, quads, d, offset, partial, part, word, row, g, col, end):
+        for j in T.unroll(2 * vecs):
+            part[j] = T.Broadcast(0, LANES)
+        for kw in range(T.min(per_group, words - g * per_group)):
+            if prefetch and g + 1 < end:   # own next group
+                _prefetch_row(w, (g + 1) * per_group + kw, col, words, n, 2, 16)
+            for j in T.unroll(vecs):
+                word[j] = w[g * per_group + kw, T.Ramp(col + j * LANES, 1, LANES)]
+            for c in T.unroll(shifts):
+                for h in T.unroll(2):
+                    for j in T.unroll(vecs):
+                        part[h * vecs + j] = T.call_llvm_pure_intrin(
+                            vi, "llvm.x86.avx512.vpdpbusd.256", part[h * vecs + j], T.reinterpret(
+                                vb, T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(bits * c), LANES)),
+                                                  T.Broadcast(T.uint32(mask), LANES))),
+                            T.reinterpret(vb, T.Broadcast(quads[h, (g * per_group + kw) * shifts + c], LANES)))
+        for j in T.unroll(vecs):
+            _add_scaled(partial, row, col + j * LANES, s, g, d, (part[j] * T.Broadcast(256, LANES) + part[vecs + j])
+                        * T.Broadcast(spec.step, LANES) - T.Broadcast(offset[g], LANES))
 
     @T.prim_func(private=True)
     def gemv(w: T.Buffer((i64(words), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
@@ -650,37 +692,9 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((2 * vecs,), vi)   # hi sums, then lo sums
             word = T.alloc_buffer((vecs,), vu)
-            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
-            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
-                for t in range(span // tile):
-                    col: T.let[T.int32] = task % col_tasks * span + t * tile
-                    for j in T.unroll(2 * vecs):
-                        part[j] = T.Broadcast(0, LANES)
-                    for kw in range(T.min(per_group, words - g * per_group)):
-                        if prefetch and g + 1 < (task // col_tasks + 1) * groups // splits:   # own next group
-                            _prefetch_row(w, (g + 1) * per_group + kw, col, words, n, 2, 16)
-                        for j in T.unroll(vecs):
-                            word[j] = w[g * per_group + kw, T.Ramp(col + j * LANES, 1, LANES)]
-                        for c in T.unroll(shifts):
-                            for h in T.unroll(2):
-                                for j in T.unroll(vecs):
-                                    part[h * vecs + j] = T.call_llvm_pure_intrin(
-                                        vi, "llvm.x86.avx512.vpdpbusd.256", part[h * vecs + j], T.reinterpret(
-                                            vb, T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(bits * c), LANES)),
-                                                              T.Broadcast(T.uint32(mask), LANES))),
-                                        T.reinterpret(vb, T.Broadcast(quads[h, (g * per_group + kw) * shifts + c], LANES)))
-                    for j in T.unroll(vecs):
-                        partial[task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] = partial[
-                            task // col_tasks, T.Ramp(col + j * LANES, 1, LANES)] + T.Cast(
-                            vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
-                            vf, (part[j] * T.Broadcast(256, LANES) + part[vecs + j]) * T.Broadcast(spec.step, LANES)
-                            - T.Broadcast(offset[g], LANES))
-            if splits == 1:     # static: the columns' own sums are the result
-                _copy_row(out, partial, 0, task * span, span)
-        if splits > 1:
-            _copy_row(out, partial, 0, 0, n)
-            for p in range(1, splits):
-                _add_row(out, partial, p, n)
+            _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate,
+                        (w, s, quads, d, offset, partial, part, word))
+        _sum_parts(out, partial, splits, n)
 
     return gemv
 
@@ -702,7 +716,7 @@ _WORDS_LO, _WORDS_HI = _unpack_order(2 * LANES, False), _unpack_order(2 * LANES,
 _LANE_HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])   # 128-bit halves of two int32x8
 # vector v of `_interleave` holds columns 4 v .. 4 v + 3 (low lane) and 16 + 4 v .. 16 + 4 v + 3 (high lane):
 # columns 0-7 are the low halves of vectors 0 and 1, 8-15 those of 2 and 3, 16-23 / 24-31 their high halves
-_BYTES, _INT16S, _FLOATS = f"int8x{4 * LANES}", f"int16x{2 * LANES}", f"float32x{LANES}"
+_BYTES, _INT16S = f"int8x{4 * LANES}", f"int16x{2 * LANES}"
 
 
 @T.macro
@@ -744,6 +758,27 @@ def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "floa
     i64 = T.int64
     vi, vb = f"int32x{LANES}", f"int8x{4 * LANES}"
 
+    @T.macro
+    def accumulate(w, s, quads, d, offset, partial, part, codes, pairs, sums, row, g, col, end):
+        for j in T.unroll(8):
+            part[j] = T.Broadcast(0, LANES)
+        for m in range(group // 4):
+            if prefetch and g + 1 < end:
+                for r in T.unroll(4):
+                    _prefetch_row(w, (g + 1) * group + m * 4 + r, col, k, n, 1, 64)
+            _interleave(codes, pairs, w, g * group + m * 4, col)
+            for h in T.unroll(2):
+                for v in T.unroll(4):
+                    part[h * 4 + v] = T.call_llvm_pure_intrin(
+                        vi, "llvm.x86.avx512.vpdpbusd.256", part[h * 4 + v], codes[v],
+                        T.reinterpret(vb, T.Broadcast(quads[h, g * group // 4 + m], LANES)))
+        for v in T.unroll(4):    # exact in int32, columns still in lane order
+            sums[v] = part[v] * T.Broadcast(256, LANES) + part[4 + v] - T.Broadcast(offset[g], LANES)
+        _add_group(partial, row, col + 0 * LANES, s, g, d, sums[0], sums[1], _LANE_HALVES[0])
+        _add_group(partial, row, col + 1 * LANES, s, g, d, sums[2], sums[3], _LANE_HALVES[0])
+        _add_group(partial, row, col + 2 * LANES, s, g, d, sums[0], sums[1], _LANE_HALVES[1])
+        _add_group(partial, row, col + 3 * LANES, s, g, d, sums[2], sums[3], _LANE_HALVES[1])
+
     @T.prim_func(private=True)
     def gemv(w: T.Buffer((i64(k), i64(n)), "int8"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
              x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
@@ -768,34 +803,9 @@ def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "floa
             codes = T.alloc_buffer((4,), vb)
             pairs = T.alloc_buffer((4,), f"int16x{2 * LANES}")
             sums = T.alloc_buffer((4,), vi)
-            _zero_row(partial, task // col_tasks, task % col_tasks * span, span)
-            for g in range(task // col_tasks * groups // splits, (task // col_tasks + 1) * groups // splits):
-                for t in range(span // tile):
-                    col: T.let[T.int32] = task % col_tasks * span + t * tile
-                    for j in T.unroll(8):
-                        part[j] = T.Broadcast(0, LANES)
-                    for m in range(group // 4):
-                        if prefetch and g + 1 < (task // col_tasks + 1) * groups // splits:
-                            for r in T.unroll(4):
-                                _prefetch_row(w, (g + 1) * group + m * 4 + r, col, k, n, 1, 64)
-                        _interleave(codes, pairs, w, g * group + m * 4, col)
-                        for h in T.unroll(2):
-                            for v in T.unroll(4):
-                                part[h * 4 + v] = T.call_llvm_pure_intrin(
-                                    vi, "llvm.x86.avx512.vpdpbusd.256", part[h * 4 + v], codes[v],
-                                    T.reinterpret(vb, T.Broadcast(quads[h, g * group // 4 + m], LANES)))
-                    for v in T.unroll(4):    # exact in int32, columns still in lane order
-                        sums[v] = part[v] * T.Broadcast(256, LANES) + part[4 + v] - T.Broadcast(offset[g], LANES)
-                    _add_group(partial, task // col_tasks, col + 0 * LANES, s, g, d, sums[0], sums[1], _LANE_HALVES[0])
-                    _add_group(partial, task // col_tasks, col + 1 * LANES, s, g, d, sums[2], sums[3], _LANE_HALVES[0])
-                    _add_group(partial, task // col_tasks, col + 2 * LANES, s, g, d, sums[0], sums[1], _LANE_HALVES[1])
-                    _add_group(partial, task // col_tasks, col + 3 * LANES, s, g, d, sums[2], sums[3], _LANE_HALVES[1])
-            if splits == 1:     # static: the columns' own sums are the result
-                _copy_row(out, partial, 0, task * span, span)
-        if splits > 1:
-            _copy_row(out, partial, 0, 0, n)
-            for p in range(1, splits):
-                _add_row(out, partial, p, n)
+            _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate,
+                        (w, s, quads, d, offset, partial, part, codes, pairs, sums))
+        _sum_parts(out, partial, splits, n)
 
     return gemv
 
@@ -805,9 +815,7 @@ def _add_group(partial: T.Buffer, row: T.int32, col: T.int32, s: T.Buffer, g: T.
                first, second, halves: list):
     """partial[row, col: col + 8] += scale * step * the group's integer sums of those 8 columns, which are
     the `halves` (`_LANE_HALVES`) of two of `_interleave`'s vectors."""
-    partial[row, T.Ramp(col, 1, LANES)] = partial[row, T.Ramp(col, 1, LANES)] + T.Cast(
-        _FLOATS, s[g, T.Ramp(col, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(
-        _FLOATS, T.Shuffle([first, second], halves))
+    _add_scaled(partial, row, col, s, g, d, T.Shuffle([first, second], halves))
 
 
 # ----------------------------------------------------------------------------- float weights (q0f16 / q0f32)
