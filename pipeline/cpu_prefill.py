@@ -10,6 +10,10 @@ rows. Rows left over (the prompt length mod MR) run one at a time. Each task deq
 local scratch first (the same expression as the fused TE: (code - offset) * scale), so the formats differ
 only there.
 
+On x86 the codes meet x quantized per row and group (int16 precision, ~2e-5 of the fp32 result) in
+integer dot products instead: AVX2's `pmaddwd` (`packed_kn_matmul_int16`) or, with AVX-512 VNNI, `vpdpbusd`
+(`packed_kn_matmul_vnni`), for q4 and t2; q8 and b1 keep the fp32 kernel without VNNI.
+
 `CPUInlineParallel` substitutes this kernel for a function that is exactly the fused pattern with a
 symbolic row count (`match_packed_kn_gemv(..., rows="prompt")`); anything else keeps the schedules. Same
 result as the fused TE up to fp32 summation order (the sum over k runs in the same order per output).
@@ -21,7 +25,16 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import ternary as tern
-from .cpu_gemv import FORMATS, LANES, VNNI_FORMATS, PackedFormat, match_packed_kn_gemv, substitute
+from .cpu_gemv import (
+    FORMATS,
+    INT16_FORMATS,
+    INT16_MAX,
+    LANES,
+    VNNI_FORMATS,
+    PackedFormat,
+    match_packed_kn_gemv,
+    substitute,
+)
 
 ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators)
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
@@ -83,16 +96,19 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
     return matmul
 
 
-def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot: bool = False
-                          ) -> tirx.PrimFunc | None:
+def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot: bool = False,
+                          int16_dot: bool = False) -> tirx.PrimFunc | None:
     """The hand-written prefill kernel with `func`'s parameter order, or None when `func` is not one.
-    `byte_dot`: the target has AVX-512 VNNI (q4 / t2 then take `packed_kn_matmul_vnni`)."""
+    `byte_dot`: the target has AVX-512 VNNI (q4 / t2 then take `packed_kn_matmul_vnni`); `int16_dot`: it has
+    AVX2's pmaddwd (q4 / t2 then take `packed_kn_matmul_int16`)."""
     match = match_packed_kn_gemv(func, text, rows="prompt")
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
     if byte_dot and fmt in VNNI_FORMATS and n % LANES == 0:
         kernel = packed_kn_matmul_vnni(FORMATS[fmt], n, k, scale_dtype)
+    elif int16_dot and fmt in INT16_FORMATS and n % LANES == 0 and k % 2 == 0:
+        kernel = packed_kn_matmul_int16(FORMATS[fmt], n, k, scale_dtype)
     else:
         kernel = packed_kn_matmul(FORMATS[fmt], n, k, scale_dtype)
     return substitute(func, kernel, order, "dequant-matmul-ternary" if fmt in tern.PACKINGS else "dequant-matmul")
@@ -198,5 +214,100 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
                 row_block(xq, d, off, s, out, wq, iacc, facc, b * rows, rows, col)
             for r in range(m % rows):
                 row_block(xq, d, off, s, out, wq, iacc, facc, m // rows * rows + r, 1, col)
+
+    return matmul
+
+
+INT16_ROWS = 4     # prompt rows per register tile of the int16 kernel (x 2 vectors: 8 int32 sums)
+INT16_VECTORS = (2, 1)
+
+
+def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = INT16_ROWS,
+                           vectors: tuple[int, ...] = INT16_VECTORS):
+    """The q4 / t2 prefill with int16 dot products (x86 AVX2 `pmaddwd`, no VNNI), x at the int16 decode
+    kernel's precision (`cpu_gemv.packed_kn_gemv_int16`): the fp32 kernel above does 8 multiply-adds per
+    FMA; `pmaddwd` does 16 (two int16 products per int32 lane) and Zen 3 issues two a cycle.
+
+    Every prompt row's x is quantized per group of the weights first (rows in parallel): q = round(x * 32767
+    / max|x|), its step d, offset * sum(q), and per word of C codes and c < C/2 the int16 pair (q[C w + c],
+    q[C w + c + C/2]). A task unpacks its 24 (16, 8) columns of codes once — per word and c, codes c and c +
+    C/2 of each column in the two int16 halves of a lane (shift by bits * c, one mask) — then runs the
+    prompt's rows `rows` at a time over them: per pair, one `pmaddwd` and one add per row and vector. At the
+    end of each group the int32 sums (below 2^24, as in the decode kernel) become fp32 exactly and out += s *
+    d * (sum - offset * sum(q))."""
+    assert spec.step == 1, spec
+    vecs = next(v for v in vectors if n % (v * LANES) == 0)
+    tile = vecs * LANES
+    bits, group, codes = spec.bits, spec.group, spec.codes
+    half = codes // 2
+    words, groups = k // codes, -(-k // group)
+    pairs_n = words * half
+    mask = ((1 << bits) - 1) * 0x00010001          # one code in each int16 half of a lane
+    i64 = T.int64
+    vf, vi, vh = f"float32x{LANES}", f"int32x{LANES}", f"int16x{2 * LANES}"
+    m = tirx.Var("seq_len", "int64")
+
+    @T.macro
+    def row_block(xp, d, off, s, out, wq, iacc, facc, first, count, col):
+        """Rows first .. first + count - 1 (count a Python int) over the task's unpacked codes."""
+        for j in T.unroll(count * vecs):
+            facc[j] = T.Broadcast(T.float32(0), LANES)
+        for g in range(groups):
+            for j in T.unroll(count * vecs):
+                iacc[j] = T.Broadcast(0, LANES)
+            for p in range(T.min(group, k - g * group) // 2):
+                for r in T.unroll(count):
+                    for j in T.unroll(vecs):
+                        iacc[r * vecs + j] = iacc[r * vecs + j] + T.call_llvm_pure_intrin(
+                            vi, "llvm.x86.avx2.pmadd.wd",
+                            T.reinterpret(vh, wq[g * group // 2 + p, T.Ramp(j * LANES, 1, LANES)]),
+                            T.reinterpret(vh, T.Broadcast(xp[first + r, g * group // 2 + p], LANES)))
+            for r in T.unroll(count):
+                for j in T.unroll(vecs):
+                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (
+                        T.Broadcast(d[first + r, g], LANES) * T.Cast(
+                            vf, iacc[r * vecs + j] - T.Broadcast(off[first + r, g], LANES)))
+        for r in T.unroll(count):
+            for j in T.unroll(vecs):
+                out[0, first + r, T.Ramp(col + j * LANES, 1, LANES)] = facc[r * vecs + j]
+
+    @T.prim_func(private=True)
+    def matmul(w: T.Buffer((i64(words), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+               x: T.Buffer((i64(1), m, i64(k)), "float32"), out: T.Buffer((i64(1), m, i64(n)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        xp = T.alloc_buffer((m, pairs_n), "int32")        # per row: int16 q[C w + c] | q[C w + c + C/2] << 16
+        d = T.alloc_buffer((m, groups), "float32")
+        off = T.alloc_buffer((m, groups), "int32")         # the code offset times the sum of the group's q
+        for row in T.parallel(m):
+            q = T.alloc_buffer((k,), "int32", scope="local")
+            for g in range(groups):
+                d[row, g] = T.float32(0)
+                for j in range(T.min(group, k - g * group)):
+                    d[row, g] = T.max(d[row, g], T.fabs(x[0, row, g * group + j]))
+                off[row, g] = 0
+                for j in range(T.min(group, k - g * group)):
+                    q[g * group + j] = T.Cast("int32", T.round(x[0, row, g * group + j] * T.if_then_else(
+                        d[row, g] > T.float32(0), T.float32(INT16_MAX) / d[row, g], T.float32(0))))
+                    off[row, g] = off[row, g] + q[g * group + j]
+                off[row, g] = off[row, g] * spec.offset
+                d[row, g] = d[row, g] * T.float32(1.0 / INT16_MAX)
+            for kw in range(words):
+                for c in range(half):
+                    xp[row, kw * half + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
+                                                          T.shift_left(q[kw * codes + c + half], 16))
+        for task in T.parallel(n // tile):
+            wq = T.alloc_buffer((pairs_n, tile), "uint32")   # per word and c: codes c, c + C/2 of each column
+            iacc = T.alloc_buffer((rows * vecs,), vi)
+            facc = T.alloc_buffer((rows * vecs,), vf)
+            col: T.let[T.int64] = T.Cast("int64", task) * tile
+            for kw in range(words):
+                for c in T.unroll(half):
+                    for j in T.vectorized(tile):
+                        wq[kw * half + c, j] = T.bitwise_and(T.shift_right(w[kw, col + j], T.uint32(bits * c)),
+                                                             T.uint32(mask))
+            for b in range(m // rows):
+                row_block(xp, d, off, s, out, wq, iacc, facc, b * rows, rows, col)
+            for r in range(m % rows):
+                row_block(xp, d, off, s, out, wq, iacc, facc, m // rows * rows + r, 1, col)
 
     return matmul

@@ -26,7 +26,7 @@ class CPUInlineParallel(ScheduleRule):
                                      byte_dot=_has_vnni(target))
         if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
             return s_tir.Schedule(kernel)
-        kernel = packed_kn_matmul_like(func, text, byte_dot=_has_vnni(target))
+        kernel = packed_kn_matmul_like(func, text, byte_dot=_has_vnni(target), int16_dot=_has_avx2(target))
         if kernel is not None:    # prefill q4 / t2 / q8 matmul (a prompt's rows, KN codes): cpu_prefill.py
             return s_tir.Schedule(kernel)
         if 'sblock("dequantize' in text:

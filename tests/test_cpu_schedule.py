@@ -460,6 +460,26 @@ def test_runtime_uses_every_cpu_by_default():
     assert int(out.split()[-1]) == 1
 
 
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product prefill needs x86 AVX2; this CPU has none")
+@pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("t2", 192, 48), ("t2", 576, 16),
+                                     ("t2", 192, 64)])
+def test_prefill_takes_int16_dot_products_on_avx2(fmt, k, n):
+    """With AVX2 and no VNNI a prompt times KN q4 / t2 codes is the pmaddwd kernel (x per row and group in
+    int16, codes c and c + C/2 paired per lane, rows 4 at a time, the rest one at a time): within 2e-4 of the
+    fp32 TE's largest output (measured ~3e-5), for row counts below, at and past the register tile, t2's short
+    last group (K = 576) included; q8 and b1 keep the fp32 kernel."""
+    func = _prompt_matmul(fmt, k, n, relax_order=True)
+    text = CPUInlineParallel().apply(func, AVX2, False).mod["main"].script()
+    assert "pmadd.wd" in text and "vpdpbusd" not in text
+    for n_rows in (1, 4, 7, 33):
+        want = _run(func, n_rows)
+        got = _run(CPUInlineParallel().apply(func, AVX2, False).mod["main"], n_rows, AVX2)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    for other in ("q8", "b1"):
+        func = _prompt_matmul(other, 192, 48, relax_order=True)
+        assert "pmadd.wd" not in CPUInlineParallel().apply(func, AVX2, False).mod["main"].script()
+
+
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product prefill needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("q4", 96, 96), ("t2", 192, 48),
                                      ("t2", 576, 16), ("t2", 192, 64), ("b1", 192, 48), ("b1", 576, 16)])
