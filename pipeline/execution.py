@@ -139,9 +139,16 @@ def twin_module(loaded: Any, quant: Any, target: Any):
     return mod
 
 
-def kv_reference_module(loaded: Any, quant: Any):
-    """The CPU (LLVM) variants of the paged KV cache's kernels for the same model: the reference that its
-    GPU kernels are compared with (TVM's KV cache makes one per target kind, with the same signature)."""
+# Kernels the model emits already bound to GPU threads (`tirx.is_scheduled`; models/gdn_kernels.py): LLVM cannot
+# build them, so their reference is the CPU variant of the same name that the model emits for an LLVM target.
+# Each with the parameters it writes, of (q, k, v, g, beta, state_in, o, state_out).
+GPU_BOUND_LIBRARY = {"gdn_decode": (6, 7), "gdn_prefill": (6, 7)}
+
+
+def reference_module(loaded: Any, quant: Any):
+    """The CPU (LLVM) variants of the kernels that cannot be their own reference, for the same model: the paged
+    KV cache's (TVM's KV cache makes one per target kind, with the same signature) and the model's GPU-bound
+    library kernels (`GPU_BOUND_LIBRARY`)."""
     import tvm
     from tvm import tirx
 
@@ -149,7 +156,8 @@ def kv_reference_module(loaded: Any, quant: Any):
 
     cpu = twin_module(loaded, quant, load_target("host-cpu"))
     return tvm.IRModule({gv: f for gv, f in cpu.functions_items()
-                         if isinstance(f, tirx.PrimFunc) and any(k in gv.name_hint for k in KV_DRIVEN)})
+                         if isinstance(f, tirx.PrimFunc)
+                         and (any(k in gv.name_hint for k in KV_DRIVEN) or gv.name_hint in GPU_BOUND_LIBRARY)})
 
 
 def run_twin(mod: Any, target: Any, reference: Any = None) -> dict[str, tuple[list[list[str]], str]]:
@@ -224,22 +232,45 @@ def _run_kernels(twin_path: str, spec: dict[str, Any], log_path: str, skip: list
             if any(k in name for k in KV_DRIVEN):
                 ref = reference.get(kv_reference_name(name, set(reference)) or "")
                 verdict = run_kv_kernel(name, func, ref, target, tuple(spec["rules"]), heads)
+            elif func.attrs is not None and func.attrs.get("tirx.is_scheduled"):
+                verdict = run_kernel(name, func, target, tuple(spec["rules"]), reference.get(name))
             else:
                 verdict = run_kernel(name, func, target, tuple(spec["rules"]))
             log.write(json.dumps({"name": name, "sig": sig, "verdict": verdict}) + "\n")
             log.flush()
 
 
-def run_kernel(name: str, func: Any, target: Any, rules: tuple[str, ...]) -> str:
-    """One kernel: scheduled by the target's rules, run on PoCL, compared with LLVM; the verdict."""
+def run_kernel(name: str, func: Any, target: Any, rules: tuple[str, ...], reference: Any = None) -> str:
+    """One kernel: scheduled by the target's rules, run on PoCL, compared with LLVM (itself unscheduled, or
+    `reference`, the CPU variant of a kernel bound to GPU threads already); the verdict."""
+    bound = func.attrs is not None and func.attrs.get("tirx.is_scheduled")
+    if bound and reference is None:
+        return not_executed("bound to GPU threads, and no CPU variant of it to compare with")
     try:
-        args = random_args(func, np.random.default_rng(0), {"seq_len": SEQ_LEN})
+        args = random_args(func, np.random.default_rng(0), {"seq_len": SEQ_LEN, "n": SEQ_LEN})
     except KeyError as err:
         return not_executed(f"symbolic size {err.args[0]} has no test value here")
     size = sum(a.nbytes for a in args)
     if size > MAX_ARG_BYTES:
         return not_executed(f"too large to run here ({size / 2**20:.0f} MiB of arguments)")
+    if bound:
+        if name not in GPU_BOUND_LIBRARY:
+            return not_executed("bound to GPU threads, with no known outputs to compare")
+        return _compare(name, func, reference, gated_delta_inputs(args), target, rules,
+                        "fp32 twin, its CPU variant the reference", outputs=list(GPU_BOUND_LIBRARY[name]),
+                        what="LLVM")
     return _compare(name, func, func, args, target, rules, "fp32 twin", outputs=[len(args) - 1])
+
+
+def gated_delta_inputs(args: list[np.ndarray]) -> list[np.ndarray]:
+    """The gated delta rule's inputs (q, k, v, g, beta, state, ...) as the model feeds them: k L2-normalized per
+    head, g a log decay (<= 0), beta in (0, 1). Random normals there make the state grow by ~|beta| Dk per
+    token, so the comparison would measure fp32 overflow, not the kernel."""
+    q, k, v, g, beta = args[:5]
+    k = (k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-6)).astype(k.dtype)
+    g = -np.abs(g).astype(g.dtype)
+    beta = (1 / (1 + np.exp(-beta))).astype(beta.dtype)
+    return [q, k, v, g, beta, *args[5:]]
 
 
 def _copies(args: list[Any]) -> list[Any]:

@@ -361,13 +361,13 @@ def _record_execution(coverage: dict[str, Any], mod: Any, loaded: Loaded, quant:
                       schedules: list[Any], verify: Any, report: Reporter) -> None:
     """The coverage report's "executed here" column, from actual runs (see execution.py)."""
     from . import verify_opencl
-    from .execution import annotate, kv_reference_module, twin_module, verdicts
+    from .execution import annotate, reference_module, twin_module, verdicts
 
     twin = None
     if verify == "pocl" and verify_opencl.find_opencl_device() is not None:
         with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
             twin = twin_module(loaded, quant, target)
-            reference = kv_reference_module(loaded, quant)
+            reference = reference_module(loaded, quant)
             verdict, summary = verdicts(target, schedules, verify, twin, mod, reference)
     else:
         verdict, summary = verdicts(target, schedules, verify)

@@ -90,3 +90,27 @@ def test_a_crashing_kernel_costs_only_its_own_verdict(tiny_llama, tmp_path, monk
     assert rows["rms_norm"]["executed"].startswith("compiled, not executed (the PoCL run crashed (exit")
     assert rows["rms_norm1"]["executed"].startswith("executed here (PoCL")
     assert sum(r["executed"].startswith("executed here") for r in rows.values()) >= 20
+
+
+@needs_pocl
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_gpu_bound_gdn_kernels_run_against_their_cpu_variant(kind):
+    """The gated delta rule kernels come bound to GPU threads (LLVM cannot build them): PoCL runs them and
+    their CPU variant of the same shapes is the reference, both outputs (o and the state written back)
+    compared; a kernel that computes something else is a MISMATCH, not a failed run."""
+    import tvm
+
+    from pipeline.config import load_target
+    from pipeline.models import gdn_kernels
+
+    builder = getattr(gdn_kernels, f"gdn_{kind}")
+    name = f"gdn_{kind}"
+    target = load_target("android-adreno")
+    tvm_target = tvm.target.Target({**target.tvm_target, "host": {"kind": "llvm"}})
+    rules = tuple(target.schedule_rules)
+    gpu, cpu = builder(2, 4, 16, 24, gpu=True, max_threads=16), builder(2, 4, 16, 24)
+    verdict = execution.run_kernel(name, gpu, tvm_target, rules, reference=cpu)
+    assert verdict.startswith("executed here (PoCL") and "matches LLVM: rel. err" in verdict, verdict
+    other = builder(2, 4, 16, 24, scale=0.5)      # the reference of a kernel with another q scale
+    assert "MISMATCH" in execution.run_kernel(name, gpu, tvm_target, rules, reference=other)
+    assert "no CPU variant" in execution.run_kernel(name, gpu, tvm_target, rules)
