@@ -87,7 +87,7 @@ release-matrix: $(STAMP)
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Long-running tests (none marked yet); pytest's exit 5 ("no tests collected") is not a failure here.
+# Long-running tests (`@pytest.mark.slow`: full uncached builds, resumes, crash isolation); pytest's exit 5 ("no tests collected") is not a failure here.
 test-slow: $(STAMP) system-deps
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
