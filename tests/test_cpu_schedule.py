@@ -546,6 +546,25 @@ def test_integer_gemvs_prefetch_the_next_group_only_when_near(kind, fmt, splits,
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.parametrize("splits", [1, 2])
+def test_q8_int16_gemv_prefetches_ahead_in_its_rows(splits):
+    """The AVX2 q8 GEMV prefetches Q8_INT16_AHEAD columns ahead in the two rows each step reads (clamped to
+    the buffer, so near a row's end it re-fetches its last line), for every width; the prefetch changes no
+    result (bit-identical to the kernel without it)."""
+    from pipeline import cpu_gemv as cg
+
+    spec = cg.FORMATS["q8"]
+    n, k = 96, 256
+    outs = []
+    for ahead in (cg.Q8_INT16_AHEAD, 0):
+        func = cg.q8_kn_gemv_int16(spec, n, k, "float16", splits, ahead).with_attr("global_symbol", "main")
+        assert ("llvm.prefetch" in func.script()) == (ahead > 0)
+        outs.append(_run(func, 1, AVX2))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert "llvm.prefetch" in cg.q8_kn_gemv_int16(spec, 49152, 576, "float16", splits).script()
+
+
 def _parallel_tasks_ir(func, target) -> str:
     """The LLVM IR of the compiled function's parallel task bodies (TVM's `__tvm_parallel_lambda`s)."""
     ir = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target).mod.inspect_source("ll")
