@@ -339,6 +339,18 @@ def _prefetch_row(w: T.Buffer, row: T.int32, col: T.int32, rows: T.int32, n: T.i
 
 
 @T.macro
+def _load_words(word: T.Buffer, w: T.Buffer, row, col, vecs: T.int32, prefetch, next_row, words: T.int32,
+                n: T.int32):
+    """word[j] = w[row, col + 8 j: col + 8 j + 8] for the tile's `vecs` vectors of code words; first, where
+    `prefetch` holds (static False, or the task's next group exists), the same columns of `next_row`, the row
+    one group further on (`_prefetch_row`)."""
+    if prefetch:
+        _prefetch_row(w, next_row, col, words, n, 2, 16)
+    for j in T.unroll(vecs):
+        word[j] = w[row, T.Ramp(col + j * LANES, 1, LANES)]
+
+
+@T.macro
 def _quantize_groups(x: T.Buffer, q: T.Buffer, d: T.Buffer, offset: T.Buffer, lanes_f: T.Buffer, lanes_i: T.Buffer,
                      group: T.int32, k: T.int32, q_max: T.float32, code_offset: T.int32):
     """x [1, 1, k] in integer steps of its group of `group` (the last one may be shorter): q = round(x * q_max /
@@ -590,10 +602,8 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
             part[j] = T.Broadcast(0, LANES)
             high[j] = T.Broadcast(0, LANES)
         for kw in range(T.min(per_group, words - g * per_group)):
-            if prefetch and g + 1 < end:   # own next group
-                _prefetch_row(w, (g + 1) * per_group + kw, col, words, n, 2, 16)
-            for j in T.unroll(vecs):
-                word[j] = w[g * per_group + kw, T.Ramp(col + j * LANES, 1, LANES)]
+            _load_words(word, w, g * per_group + kw, col, vecs, prefetch and g + 1 < end, (g + 1) * per_group + kw,
+                        words, n)
             for c2 in T.unroll(half // 2):
                 for j in T.unroll(vecs):
                     masked_dot(part, j, word[j], 2 * bits * c2, mask, pairs[(g * per_group + kw) * half + 2 * c2])
@@ -664,10 +674,8 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
         for j in T.unroll(2 * vecs):
             part[j] = T.Broadcast(0, LANES)
         for kw in range(T.min(per_group, words - g * per_group)):
-            if prefetch and g + 1 < end:   # own next group
-                _prefetch_row(w, (g + 1) * per_group + kw, col, words, n, 2, 16)
-            for j in T.unroll(vecs):
-                word[j] = w[g * per_group + kw, T.Ramp(col + j * LANES, 1, LANES)]
+            _load_words(word, w, g * per_group + kw, col, vecs, prefetch and g + 1 < end, (g + 1) * per_group + kw,
+                        words, n)
             for c in T.unroll(shifts):
                 for h in T.unroll(2):
                     for j in T.unroll(vecs):

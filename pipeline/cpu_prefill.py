@@ -40,6 +40,49 @@ ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
 
 
+@T.macro
+def _row_tiles(row_block, buffers: tuple, m, rows: T.int32, col):
+    """A task's prompt rows over its columns: `row_block(*buffers, first, count, col)` (the kernel's macro for
+    `count` rows from `first`, count a Python int) `rows` at a time, then the rest one at a time."""
+    for b in range(m // rows):
+        row_block(*buffers, b * rows, rows, col)
+    for r in range(m % rows):
+        row_block(*buffers, m // rows * rows + r, 1, col)
+
+
+@T.macro
+def _quantize_row(x: T.Buffer, q: T.Buffer, hi: T.Buffer, d: T.Buffer, off: T.Buffer, row, group: T.int32,
+                  k: T.int32, groups: T.int32, q_max: T.float32, code_offset: T.int32, split_bytes: bool):
+    """Row `row` of x [1, m, k] in integer steps of its groups of `group` (the last one may be shorter):
+    q = round(x * q_max / max|x|), d[row, g] = the step max|x| / q_max, off[row, g] = code_offset * sum(q);
+    with `split_bytes` (static) also hi = floor((q + 128) / 256), so q = 256 hi + lo in two signed bytes."""
+    for g in range(groups):
+        d[row, g] = T.float32(0)
+        for j in range(T.min(group, k - g * group)):
+            d[row, g] = T.max(d[row, g], T.fabs(x[0, row, g * group + j]))
+        off[row, g] = 0
+        for j in range(T.min(group, k - g * group)):
+            q[g * group + j] = T.Cast("int32", T.round(x[0, row, g * group + j] * T.if_then_else(
+                d[row, g] > T.float32(0), T.float32(q_max) / d[row, g], T.float32(0))))
+            if split_bytes:
+                hi[g * group + j] = T.shift_right(q[g * group + j] + 128, 8)
+            off[row, g] = off[row, g] + q[g * group + j]
+        off[row, g] = off[row, g] * code_offset
+        d[row, g] = d[row, g] * T.float32(1.0 / q_max)
+
+
+@T.macro
+def _unpack_codes(wq: T.Buffer, w: T.Buffer, col, words: T.int32, per_word: T.int32, bits: T.int32,
+                  mask: T.int32, tile: T.int32):
+    """A task's `tile` columns of codes from col, unpacked once: wq[kw * per_word + c, j] = the word's bits
+    from bits * c on, masked (`mask`: one field per byte or per int16 half)."""
+    for kw in range(words):
+        for c in T.unroll(per_word):
+            for j in T.vectorized(tile):
+                wq[kw * per_word + c, j] = T.bitwise_and(T.shift_right(w[kw, col + j], T.uint32(bits * c)),
+                                                         T.uint32(mask))
+
+
 def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = ROWS):
     """The kernel for out[1, m, n] = x[1, m, k] @ dequantize(codes, scales), m symbolic (a prompt)."""
     vecs = next(v for v in TILE_VECTORS if n % (v * LANES) == 0)
@@ -88,10 +131,7 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
             for kk in range(k):
                 for j in T.vectorized(tile):
                     wt[kk, j] = weight(w, s, kk, col + j)
-            for b in range(m // rows):
-                row_block(x, out, wt, acc, b * rows, rows, col)
-            for r in range(m % rows):
-                row_block(x, out, wt, acc, m // rows * rows + r, 1, col)
+            _row_tiles(row_block, (x, out, wt, acc), m, rows, col)
 
     return matmul
 
@@ -184,18 +224,7 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
         for row in T.parallel(m):
             q = T.alloc_buffer((k,), "int32", scope="local")
             hi = T.alloc_buffer((k,), "int32", scope="local")
-            for g in range(groups):
-                d[row, g] = T.float32(0)
-                for j in range(T.min(group, k - g * group)):
-                    d[row, g] = T.max(d[row, g], T.fabs(x[0, row, g * group + j]))
-                off[row, g] = 0
-                for j in range(T.min(group, k - g * group)):
-                    q[g * group + j] = T.Cast("int32", T.round(x[0, row, g * group + j] * T.if_then_else(
-                        d[row, g] > T.float32(0), T.float32(VNNI_Q_MAX) / d[row, g], T.float32(0))))
-                    hi[g * group + j] = T.shift_right(q[g * group + j] + 128, 8)
-                    off[row, g] = off[row, g] + q[g * group + j]
-                off[row, g] = off[row, g] * spec.offset
-                d[row, g] = d[row, g] * T.float32(1.0 / VNNI_Q_MAX)
+            _quantize_row(x, q, hi, d, off, row, group, k, groups, VNNI_Q_MAX, spec.offset, True)
             for kw in range(words):
                 for c in range(shifts):
                     xq[row, 0, kw * shifts + c] = quad_bytes(hi, kw * codes + c, shifts)
@@ -205,15 +234,8 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
             iacc = T.alloc_buffer((2 * rows * vecs,), vi)
             facc = T.alloc_buffer((rows * vecs,), vf)
             col: T.let[T.int64] = T.Cast("int64", task) * tile
-            for kw in range(words):
-                for c in T.unroll(shifts):
-                    for j in T.vectorized(tile):
-                        wq[kw * shifts + c, j] = T.bitwise_and(T.shift_right(w[kw, col + j], T.uint32(bits * c)),
-                                                               T.uint32(mask))
-            for b in range(m // rows):
-                row_block(xq, d, off, s, out, wq, iacc, facc, b * rows, rows, col)
-            for r in range(m % rows):
-                row_block(xq, d, off, s, out, wq, iacc, facc, m // rows * rows + r, 1, col)
+            _unpack_codes(wq, w, col, words, shifts, bits, mask, tile)
+            _row_tiles(row_block, (xq, d, off, s, out, wq, iacc, facc), m, rows, col)
 
     return matmul
 
@@ -280,17 +302,7 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
         off = T.alloc_buffer((m, groups), "int32")         # the code offset times the sum of the group's q
         for row in T.parallel(m):
             q = T.alloc_buffer((k,), "int32", scope="local")
-            for g in range(groups):
-                d[row, g] = T.float32(0)
-                for j in range(T.min(group, k - g * group)):
-                    d[row, g] = T.max(d[row, g], T.fabs(x[0, row, g * group + j]))
-                off[row, g] = 0
-                for j in range(T.min(group, k - g * group)):
-                    q[g * group + j] = T.Cast("int32", T.round(x[0, row, g * group + j] * T.if_then_else(
-                        d[row, g] > T.float32(0), T.float32(INT16_MAX) / d[row, g], T.float32(0))))
-                    off[row, g] = off[row, g] + q[g * group + j]
-                off[row, g] = off[row, g] * spec.offset
-                d[row, g] = d[row, g] * T.float32(1.0 / INT16_MAX)
+            _quantize_row(x, q, q, d, off, row, group, k, groups, INT16_MAX, spec.offset, False)
             for kw in range(words):
                 for c in range(half):
                     xp[row, kw * half + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
@@ -300,14 +312,7 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
             iacc = T.alloc_buffer((rows * vecs,), vi)
             facc = T.alloc_buffer((rows * vecs,), vf)
             col: T.let[T.int64] = T.Cast("int64", task) * tile
-            for kw in range(words):
-                for c in T.unroll(half):
-                    for j in T.vectorized(tile):
-                        wq[kw * half + c, j] = T.bitwise_and(T.shift_right(w[kw, col + j], T.uint32(bits * c)),
-                                                             T.uint32(mask))
-            for b in range(m // rows):
-                row_block(xp, d, off, s, out, wq, iacc, facc, b * rows, rows, col)
-            for r in range(m % rows):
-                row_block(xp, d, off, s, out, wq, iacc, facc, m // rows * rows + r, 1, col)
+            _unpack_codes(wq, w, col, words, half, bits, mask, tile)
+            _row_tiles(row_block, (xp, d, off, s, out, wq, iacc, facc), m, rows, col)
 
     return matmul
