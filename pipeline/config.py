@@ -53,6 +53,7 @@ class TargetSpec:
     device: str = "cpu"
     compute_dtype: str = "float32"
     weight_layout: str = "NK"
+    q8_tile: int = 0                  # KN q8 codes tiled by this many columns (quantize.tile_q8); 0: plain
     schedule_rules: tuple[str, ...] = ()
     runnable_here: bool = False
     host_native: bool = False
@@ -203,6 +204,9 @@ def load_target(name: str) -> TargetSpec:
         spec = TargetSpec(path=path, **data)
     except TypeError as err:
         raise ConfigError(f"bad target file ({err})", path=path, fix="compare with targets/host-cpu.yaml") from None
+    if not isinstance(spec.q8_tile, int) or spec.q8_tile < 0 or spec.q8_tile % 8:
+        raise ConfigError(f"q8_tile must be 0 or a positive multiple of 8, not {spec.q8_tile!r}", path=path,
+                          fix="q8_tile: 16 (what the AVX2 kernel takes) or 0 (plain KN codes)")
     if spec.requires_codegen and not _has_global_func(spec.requires_codegen):
         raise ConfigError(
             f"target {name!r} needs TVM's {spec.requires_codegen} code generator, which this TVM "

@@ -29,7 +29,7 @@ import numpy as np
 from . import ternary as tern
 from .errors import WeightsError
 from .models.layers import CODES_PER_WORD, GROUP
-from .quantize import quantize_q4, quantize_q8
+from .quantize import quantize_q4, quantize_q8, tile_q8
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
          # Gated DeltaNet (Qwen3.5): one input GEMV instead of four
@@ -112,12 +112,13 @@ def _mismatch(ckpt: Any, name: str, want: tuple[int, ...], got: tuple[int, ...])
 def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dict[str, tuple[int, ...]],
                 block_bytes: int, on_bytes: Callable[[int], None] | None,
                 bits: int = 4, rotate: int = 1, calibrated: Any = None,
-                stats: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                stats: dict[str, float] | None = None, q8_tile: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Group-quantize the sources of `name` (a .q_weight or .q_scale) block by block -> (codes, scale):
     int4 packed 8 per uint32 (`bits=4`) or int8 codes (`bits=8`). `calibrated` (calibrate.CalibratedInput):
     error feedback instead of round-to-nearest, with the result kept in the calibration's store (NK), so
     another layout or target of the same weights reuses it; `stats` then sums the output error
-    (`calib_err`) and output energy (`calib_energy`) on the calibration inputs."""
+    (`calib_err`) and output energy (`calib_energy`) on the calibration inputs. `q8_tile`: KN int8 codes
+    returned tiled (quantize.tile_q8), once the whole tensor is quantized."""
     src_shape = _source_shape(ckpt, name, names)
     n = src_shape[0]
     if len(src_shape) != 2 or src_shape[1] % GROUP:
@@ -130,19 +131,21 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
     per_word = CODES_PER_WORD if bits == 4 else 1
     packed_shape = (n, k // per_word) if nk else (k // per_word, n)
     scale_shape = (n, k // GROUP) if nk else (k // GROUP, n)
-    mine = packed_shape if name.endswith(".q_weight") else scale_shape
+    tiled = q8_tile and bits == 8 and not nk
+    stored_shape = (n // q8_tile, k // 2, 2 * q8_tile) if tiled else packed_shape
+    mine = stored_shape if name.endswith(".q_weight") else scale_shape
     if name in shapes and shapes[name] != mine:
         raise _mismatch(ckpt, name, shapes[name], mine)
     packed = np.empty(packed_shape, np.uint32 if bits == 4 else np.int8)
     scale = np.empty(scale_shape, np.float16)
     if calibrated is not None:
         _convert_calibrated(ckpt, name, names, packed, scale, nk, bits, block_bytes, on_bytes, calibrated, stats)
-        return packed, scale
-    rtn = quantize_q4 if bits == 4 else quantize_q8
-    for r0, block in _row_blocks(ckpt, names, block_bytes, rotate):
-        p, s = rtn(block, "NK")
-        _store_rows(packed, scale, r0, p, s, nk, name, on_bytes)
-    return packed, scale
+    else:
+        rtn = quantize_q4 if bits == 4 else quantize_q8
+        for r0, block in _row_blocks(ckpt, names, block_bytes, rotate):
+            p, s = rtn(block, "NK")
+            _store_rows(packed, scale, r0, p, s, nk, name, on_bytes)
+    return (tile_q8(packed, q8_tile) if tiled else packed), scale
 
 
 def _convert_calibrated(ckpt: Any, name: str, names: list[str], packed: np.ndarray, scale: np.ndarray, nk: bool,
@@ -348,7 +351,8 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
                 rotate = int(attrs.get("rotate", 1))
                 packed, scale = _convert_q4(ckpt, name, sources, tensor_layout, shapes, block_bytes, on_bytes,
                                             bits=bits, rotate=rotate, stats=stats,
-                                            calibrated=_calibrated(calibration, base, tied, rotate))
+                                            calibrated=_calibrated(calibration, base, tied, rotate),
+                                            q8_tile=int(attrs.get("q8_tile", 0)))
             is_weight = name.endswith(".q_weight")
             arr = packed if is_weight else scale
             pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed

@@ -32,6 +32,12 @@ rows are interleaved 4 at a time first): fewer instructions per weight, which is
 kernels at 2 threads (ternary_ptq decode 7.15 -> 6.14 ms per token side by side on SmolLM2, most of it the
 q8 lm_head). q8 on AVX2 without VNNI takes `q8_kn_gemv_int16` (row pairs interleaved, pmaddwd).
 
+host-cpu stores q8 codes tiled instead (target `q8_tile: 16`, quantize.tile_q8): 16 columns per tile, a
+column's codes for rows 2i and 2i + 1 side by side, each tile contiguous over K. `q8_tiled_gemv_int16` then
+feeds pmaddwd from one load per 8 columns and streams a few long runs (side by side on Zen 3, same tokens:
+SmolLM2 q8f16 decode 1.56x, ternary_ptq 1.33x, the 0.49B Qwen3's ternary_ptq 1.13x); the KN q8 kernels stay
+for shapes that do not tile and targets that keep plain KN codes.
+
 Same result as the fused TE up to fp32 summation order (the integer kernels: up to x's int16 rounding). `CPUInlineParallel` substitutes this kernel for a
 function that is exactly that fused pattern (`match_packed_kn_gemv`); anything else keeps the schedules.
 """
@@ -77,6 +83,7 @@ class PackedFormat:
         return f'- T.float32({float(self.offset)})) * T.Cast("float32"'
 
 
+TILED_Q8 = "q8t"   # what `match_packed_kn_gemv` calls q8 codes stored tiled (quantize.tile_q8); FORMATS["q8"] otherwise
 FORMATS = {"q4": PackedFormat("dequantize_kn", 4, 32, 7), "t2": PackedFormat("dequantize_t2_kn", 2, 128, 1),
            "q8": PackedFormat("dequantize_q8_kn", 8, 32, 0), "b1": PackedFormat("dequantize_b1_kn", 1, 128, 1, 2)}
 
@@ -118,8 +125,8 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
     n = out[2]
     roles = []
     for shape, dtype in zip(shapes[:-1], dtypes[:-1], strict=True):
-        if dtype == spec.code_dtype and len(shape) == 2:
-            roles.append("codes")
+        if dtype == spec.code_dtype and (len(shape) == 2 or (spec.bits == 8 and len(shape) == 3)):
+            roles.append("codes")      # 3-d: q8 codes tiled (quantize.tile_q8)
         elif dtype in ("float16", "float32") and len(shape) == 2:
             roles.append("scales")
         elif dtype == "float32" and len(shape) == 3 and shape[:2] == (1, 1):
@@ -131,6 +138,10 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
     by_role = dict(zip(roles, shapes[:-1], strict=True))
     k = by_role["x"][2]
     groups = -(-k // spec.group)
+    if len(by_role["codes"]) == 3:
+        if not q8_tile_of(by_role["codes"], n, k) or by_role["scales"] != (groups, n):
+            return None
+        return TILED_Q8, n, k, dtypes[roles.index("scales")], (*roles, "out")
     if k % spec.codes or n % LANES or by_role["codes"] != (k // spec.codes, n) or by_role["scales"] != (groups, n):
         return None
     return fmt, n, k, dtypes[roles.index("scales")], (*roles, "out")
@@ -148,6 +159,12 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
+    if fmt == TILED_Q8:
+        tile = q8_tile_of(tuple(int(d) for d in func.params[order.index("codes")].shape), n, k)
+        # AVX-512 VNNI CPUs have AVX2 too: the tiled layout's streams mattered more than vpdpbusd (not measured there)
+        int16 = (int16_dot or byte_dot) and tile == 2 * LANES and n >= 2 * tile   # one tile: see _tiled_blocks
+        kernel = q8_tiled_gemv_int16(n, k, tile, scale_dtype) if int16 else q8_tiled_gemv(n, k, tile, scale_dtype)
+        return substitute(func, kernel, order, "dequant-gemv")
     if fmt in VNNI_FORMATS and byte_dot and k % LANES == 0:
         kernel = packed_kn_gemv_vnni(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     elif fmt in INT16_FORMATS and int16_dot and k % LANES == 0:
@@ -512,6 +529,115 @@ def q8_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
             _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate,
                         (w, s, pairs, d, partial, part))
         _sum_parts(out, partial, splits, n)
+
+    return gemv
+
+
+Q8_TILED_BLOCKS = (3, 2, 1)   # column tiles per step of the tiled q8 kernels (48 columns in registers if N allows)
+
+
+def q8_tile_of(codes_shape: tuple[int, ...], n: int, k: int) -> int:
+    """The column tile of q8 codes stored tiled (`quantize.tile_q8`: [N / tile, K / 2, 2 tile]), or 0 when the
+    shape is not that layout of an [K, N] weight."""
+    if len(codes_shape) != 3 or codes_shape[2] % 2:
+        return 0
+    tile = codes_shape[2] // 2
+    return tile if tile and n % tile == 0 and k % 2 == 0 and codes_shape[:2] == (n // tile, k // 2) else 0
+
+
+def _tiled_blocks(n: int, tile: int) -> int:
+    """Tiles per step: the most of Q8_TILED_BLOCKS that divide n into at least two steps (a parallel loop of
+    one iteration, which TVM drops, left its vector buffers to a storage rewrite that fails on them)."""
+    return next((b for b in Q8_TILED_BLOCKS if n % (b * tile) == 0 and n // (b * tile) >= 2), 1)
+
+
+def q8_tiled_gemv_int16(n: int, k: int, tile: int = 16, scale_dtype: str = "float16") -> tirx.PrimFunc:
+    """The q8 GEMV on AVX2 over tiled codes (`quantize.tile_q8`, host-cpu's q8 storage): a tile's 16 columns
+    keep their codes for rows 2i and 2i + 1 side by side, 32 bytes per row pair, and each tile is one
+    contiguous run over K. So a step's pmaddwd takes 8 columns' row pairs straight from one load (sign-
+    extended to int16; no interleaving shuffle) against x's broadcast int16 pair, and a task reads a few long
+    sequential streams (the tiles of its columns) instead of 32 rows of the KN matrix side by side, whose
+    48-byte pieces the prefetchers did not follow. The int32 group sums are scaled into fp32 accumulators
+    that stay in registers over all of K; the parallel loop splits the column blocks, so no partial rows.
+    x is quantized per group to int16 as in `q8_kn_gemv_int16` (same numerics, ~2e-5 of the fp32 kernel).
+    On Zen 3, 2 threads, weights not in cache: 49152 x 1024 lm_head 14-15 -> 24-26 GB/s, 6144 x 1024 and
+    1536 x 576 1.2-1.4x the KN kernel; in cache ~2x."""
+    if tile != 2 * LANES:
+        raise ValueError(f"the AVX2 tiled q8 kernel takes tiles of {2 * LANES} columns, not {tile}")
+    group, groups = FORMATS["q8"].group, k // FORMATS["q8"].group
+    blocks = _tiled_blocks(n, tile)
+    width = blocks * tile
+    i64 = T.int64
+    vi, vh, vf = f"int32x{LANES}", f"int16x{2 * LANES}", f"float32x{LANES}"
+
+    @T.prim_func(private=True)
+    def gemv(w: T.Buffer((i64(n // tile), i64(k // 2), i64(2 * tile)), "int8"),
+             s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+             x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        q = T.alloc_buffer((k,), "int32")            # x in int16 steps of its group
+        pairs = T.alloc_buffer((k // 2,), "int32")   # int16 q[2 i] | q[2 i + 1] << 16
+        d = T.alloc_buffer((groups,), "float32")
+        offset = T.alloc_buffer((groups,), "int32")  # `_quantize_groups` writes 0 there: q8 codes have no offset
+        lanes_f = T.alloc_buffer((LANES,), "float32")
+        lanes_i = T.alloc_buffer((LANES,), "int32")
+        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, 0)
+        for i0 in range(k // 2 // LANES):
+            for i1 in T.vectorized(LANES):
+                pairs[i0 * LANES + i1] = T.bitwise_or(T.bitwise_and(q[2 * (i0 * LANES + i1)], 65535),
+                                                      T.shift_left(q[2 * (i0 * LANES + i1) + 1], 16))
+        for b in T.parallel(n // width):
+            part = T.alloc_buffer((2 * blocks,), vi)
+            acc = T.alloc_buffer((2 * blocks,), vf)
+            for j in T.unroll(2 * blocks):
+                acc[j] = T.Broadcast(T.float32(0), LANES)
+            for g in range(groups):
+                for j in T.unroll(2 * blocks):
+                    part[j] = T.Broadcast(0, LANES)
+                for kk in range(group // 2):
+                    for j in T.unroll(2 * blocks):   # tile j // 2's columns 0-7, then 8-15
+                        part[j] = part[j] + T.call_llvm_pure_intrin(
+                            vi, "llvm.x86.avx2.pmadd.wd",
+                            T.Cast(vh, w[b * blocks + j // 2, g * group // 2 + kk, T.Ramp(j % 2 * 2 * LANES, 1, 2 * LANES)]),
+                            T.reinterpret(vh, T.Broadcast(pairs[g * group // 2 + kk], LANES)))
+                for j in T.unroll(2 * blocks):
+                    acc[j] = acc[j] + T.Cast(vf, s[g, T.Ramp(b * width + j * LANES, 1, LANES)]) * T.Broadcast(
+                        d[g], LANES) * T.Cast(vf, part[j])
+            for j in T.unroll(2 * blocks):
+                out[0, 0, T.Ramp(b * width + j * LANES, 1, LANES)] = acc[j]
+
+    return gemv
+
+
+def q8_tiled_gemv(n: int, k: int, tile: int = 16, scale_dtype: str = "float16") -> tirx.PrimFunc:
+    """The tiled q8 GEMV in fp32 for CPUs without AVX2's pmaddwd: per row pair, each of the tile's columns
+    takes its two codes (converted) times x's two values, into fp32 sums per group that the scale multiplies.
+    Same walk as `q8_tiled_gemv_int16` (contiguous tiles, column blocks split over the threads)."""
+    group, groups = FORMATS["q8"].group, k // FORMATS["q8"].group
+    i64 = T.int64
+
+    @T.prim_func(private=True)
+    def gemv(w: T.Buffer((i64(n // tile), i64(k // 2), i64(2 * tile)), "int8"),
+             s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+             x: T.Buffer((i64(1), i64(1), i64(k)), "float32"), out: T.Buffer((i64(1), i64(1), i64(n)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for b in T.parallel(n // tile):
+            acc = T.alloc_buffer((tile,), "float32")
+            part = T.alloc_buffer((tile,), "float32")
+            for j in T.vectorized(tile):
+                acc[j] = T.float32(0)
+            for g in range(groups):
+                for j in T.vectorized(tile):
+                    part[j] = T.float32(0)
+                for kk in range(group // 2):
+                    for j in T.vectorized(tile):
+                        part[j] = part[j] + T.Cast("float32", w[b, g * group // 2 + kk, 2 * j]) * x[
+                            0, 0, g * group + 2 * kk] + T.Cast("float32", w[b, g * group // 2 + kk, 2 * j + 1]) * x[
+                            0, 0, g * group + 2 * kk + 1]
+                for j in T.vectorized(tile):
+                    acc[j] = acc[j] + T.Cast("float32", s[g, b * tile + j]) * part[j]
+            for j in T.vectorized(tile):
+                out[0, 0, b * tile + j] = acc[j]
 
     return gemv
 

@@ -143,8 +143,30 @@ def quantize_q8(w: np.ndarray, layout: str = "NK") -> tuple[np.ndarray, np.ndarr
     return _in_layout(q.astype(np.int8).reshape(w.shape), scale16, layout)
 
 
+def tile_q8(codes: np.ndarray, tile: int) -> np.ndarray:
+    """KN int8 codes [K, N] -> [N / tile, K / 2, 2 tile]: element [t, i, 2 j + r] is code [2 i + r, t tile + j].
+    host-cpu's q8 storage: each tile of `tile` output columns is one contiguous run over K with a column's
+    codes for rows 2i, 2i + 1 side by side, so the decode GEMV streams a few long runs and feeds pmaddwd from
+    one load (cpu_gemv.q8_tiled_gemv_int16). The scales stay KN [K / 32, N]."""
+    k, n = codes.shape
+    if n % tile or k % 2:
+        raise ValueError(f"cannot tile q8 codes [{k}, {n}] by {tile} columns and row pairs")
+    return np.ascontiguousarray(codes.reshape(k // 2, 2, n // tile, tile).transpose(2, 0, 3, 1)).reshape(
+        n // tile, k // 2, 2 * tile)
+
+
+def untile_q8(tiled: np.ndarray) -> np.ndarray:
+    """Inverse of `tile_q8`: -> KN codes [K, N]."""
+    tiles, pairs, width = tiled.shape
+    tile = width // 2
+    return np.ascontiguousarray(tiled.reshape(tiles, pairs, tile, 2).transpose(1, 3, 0, 2)).reshape(
+        2 * pairs, tiles * tile)
+
+
 def dequantize_q8(codes: np.ndarray, scale: np.ndarray, layout: str = "NK") -> np.ndarray:
-    """Inverse of `quantize_q8`: -> [N, K] float32."""
+    """Inverse of `quantize_q8`: -> [N, K] float32 (KN codes may be tiled: `tile_q8`)."""
+    if codes.ndim == 3:
+        codes = untile_q8(codes)
     if layout == "KN":
         codes, scale = codes.T, scale.T
     return codes.astype(np.float32) * np.repeat(scale.astype(np.float32), GROUP, axis=1)

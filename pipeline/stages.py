@@ -104,7 +104,8 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
     factory = SplitFactory(dtype=act, weight_format=quant.weight_format, weight_dtype=quant.weight_dtype,
                            layout=layout, formats=dict(quant.formats), rotation=quant.rotation,
                            ternary_source=quant.ternary_source, kv_dtype=quant.kv_cache_dtype(target),
-                           max_buffer_bytes=int(limit) if limit else None)
+                           max_buffer_bytes=int(limit) if limit else None,
+                           q8_tile=target.q8_tile if layout == "KN" else 0)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
     if hasattr(module, "rope_settings"):      # for the CPU RoPE kernel (cpu_rope.py)

@@ -26,7 +26,7 @@ def dequantized_tensors(bundle) -> dict[str, np.ndarray]:
         if name.endswith(".q_weight"):
             base = name[: -len(".q_weight")]
             scale = cache[base + ".q_scale"]
-            layout = "NK" if arr.shape[0] == scale.shape[0] else "KN"
+            layout = "NK" if arr.ndim == 2 and arr.shape[0] == scale.shape[0] else "KN"   # 3-d: tiled KN q8
             deq = dequantize_q8 if arr.dtype == np.int8 else dequantize_q4
             out[base + ".weight"] = deq(arr, scale, layout)
         else:

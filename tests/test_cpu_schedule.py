@@ -427,6 +427,94 @@ def test_decode_q8_gemv_takes_int16_dot_products_on_avx2(n, k, threads, monkeypa
         np.testing.assert_allclose(got[0], got[1], rtol=1e-6)
 
 
+def _q8_tiled_func(n: int, k: int, rows=1, tile: int = 16):
+    """x [1, rows, k] times q8 codes stored tiled (quantize.tile_q8, host-cpu's q8 storage), as layers' TE."""
+    x = te.placeholder((1, rows, k), "float32", name="x")
+    w = te.placeholder((n // tile, k // 2, 2 * tile), "int8", name="w")
+    s = te.placeholder((k // 32, n), "float16", name="s")
+    wt = dequantize_q8_te(w, s, "KN", k, n, "float32")
+    r = te.reduce_axis((0, k), name="k")
+    out = te.compute((1, rows, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
+    return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
+
+
+def _tiled_inputs(n: int, k: int, rows: int, seed: int = 0, tile: int = 16):
+    from pipeline.quantize import tile_q8
+
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = (rng.standard_normal((k // 32, n)) * 0.05).astype("float16")
+    x = rng.standard_normal((1, rows, k)).astype("float32")
+    want = x[0] @ (codes.astype(np.float32) * np.repeat(scale.astype(np.float32), 32, axis=0))
+    return [tile_q8(codes, tile), scale, x], want
+
+
+def _call(func, args, rows: int, n: int, target) -> np.ndarray:
+    f = tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
+    out = tvm.runtime.tensor(np.zeros((1, rows, n), "float32"))
+    f(*[tvm.runtime.tensor(a) for a in args], out)
+    return out.numpy()[0]
+
+
+@pytest.mark.parametrize("n,k", [(96, 96), (64, 576), (80, 64), (48, 64), (16, 64)])   # 3 / 2 / 1 tiles per step;
+# 48: two steps of 1 tile (no parallel loop of one iteration), 16: one tile in all (the fp32 kernel)
+@pytest.mark.parametrize("kind", ["int16", "fp32"])
+def test_decode_q8_gemv_over_tiled_codes(n, k, kind):
+    """host-cpu's q8 codes are tiled (16 columns, row pairs side by side): the TE reads them so (against
+    numpy on the untiled codes), and the decode GEMV is the tiled kernel — pmaddwd straight from each 32-byte
+    row pair on AVX2 (x in int16 per group: within 2e-4 of the largest output, measured ~2e-5), fp32 where
+    there is no AVX2 (within fp32 summation order)."""
+    if kind == "int16" and not _has_avx2(HOST):
+        pytest.skip("the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+    func = _q8_tiled_func(n, k)
+    args, want = _tiled_inputs(n, k, 1)
+    target = AVX2 if kind == "int16" else tvm.target.Target({"kind": "llvm"})
+    np.testing.assert_allclose(_call(func, args, 1, n, target), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    sch = CPUInlineParallel().apply(func, target, False)
+    text = sch.mod["main"].script()
+    assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16" and n > 16)
+    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == "dequant-gemv"
+    tol = 2e-4 if kind == "int16" and n > 16 else 1e-5
+    np.testing.assert_allclose(_call(sch.mod["main"], args, 1, n, target), want, rtol=0, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+def test_tiled_q8_gemv_group_sums_are_exact_at_the_extremes():
+    """Codes at -127 / 127 against x at one value: the largest int32 group sums the kernel forms, exact (x's
+    int16 step is then exact), so the result equals the fp32 kernel's to fp32 rounding."""
+    n, k = 48, 256
+    func = _q8_tiled_func(n, k)
+    sch = CPUInlineParallel().apply(func, AVX2, False)
+    for code in (127, -127):
+        args = [np.full((n // 16, k // 2, 32), code, np.int8), np.ones((k // 32, n), "float16"),
+                np.full((1, 1, k), 0.5, "float32")]
+        np.testing.assert_allclose(_call(sch.mod["main"], args, 1, n, AVX2), np.full((1, n), code * 0.5 * k), rtol=1e-6)
+
+
+def test_prefill_q8_matmul_over_tiled_codes():
+    """A prompt's rows times tiled q8 codes: the hand-written prefill kernel (one code tile per task), same
+    result as numpy on the untiled codes within fp32 summation order."""
+    n, k, rows = 48, 96, 7
+    m = tirx.Var("seq_len", "int64")
+    func = _q8_tiled_func(n, k, rows=m)
+    target = tvm.target.Target({"kind": "llvm"})
+    sch = CPUInlineParallel().apply(func, target, False)
+    assert 'sblock("dequantize' not in sch.mod["main"].script()
+    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == "dequant-matmul"
+    args, want = _tiled_inputs(n, k, rows, seed=3)
+    np.testing.assert_allclose(_call(sch.mod["main"], args, rows, n, target), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
+
+def test_tiled_q8_codes_need_whole_tiles():
+    """Only codes that are exactly tile_q8's shape of the [K, N] weight are taken as tiled."""
+    from pipeline.cpu_gemv import q8_tile_of
+
+    assert q8_tile_of((6, 48, 32), 96, 96) == 16
+    assert q8_tile_of((6, 48, 32), 80, 96) == 0 and q8_tile_of((6, 47, 32), 96, 96) == 0
+    assert q8_tile_of((96, 96), 96, 96) == 0
+
+
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("n,k", [(192, 96), (96, 576), (64, 64)])
 @pytest.mark.parametrize("threads", [1, 2, 3])

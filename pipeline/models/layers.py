@@ -41,9 +41,13 @@ def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: i
 
 
 def dequantize_q8_te(codes: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
-    """TE for W^T[k, n] from int8 codes + fp16 scales (NK: codes [N, K], KN: codes [K, N])."""
+    """TE for W^T[k, n] from int8 codes + fp16 scales (NK: codes [N, K], KN: codes [K, N] or tiled)."""
     def value(kk, nn_):
-        c = codes[nn_, kk] if layout == "NK" else codes[kk, nn_]
+        if len(codes.shape) == 3:      # KN tiled (quantize.tile_q8): [N / tile, K / 2, 2 tile]
+            tile = int(codes.shape[2]) // 2
+            c = codes[nn_ // tile, kk // 2, nn_ % tile * 2 + kk % 2]
+        else:
+            c = codes[nn_, kk] if layout == "NK" else codes[kk, nn_]
         s = scale[nn_, kk // GROUP] if layout == "NK" else scale[kk // GROUP, nn_]
         return c.astype(dtype) * s.astype(dtype)
 
@@ -136,12 +140,21 @@ class FloatLinear(nn.Module):
         return y if self.bias is None else y + _as(self.bias, x.dtype)
 
 
-def q_params(rows: int, k: int, code_dtype: str, scale_dtype: str, layout: str) -> tuple[nn.Parameter, nn.Parameter]:
+def q_params(rows: int, k: int, code_dtype: str, scale_dtype: str, layout: str,
+             q8_tile: int = 0) -> tuple[nn.Parameter, nn.Parameter]:
     """Codes (uint32: 8 int4 per word; int8: one each) and one scale per GROUP along K, for `rows` outputs:
-    NK [rows, K / per_word] + [rows, K / GROUP], or KN transposed."""
+    NK [rows, K / per_word] + [rows, K / GROUP], or KN transposed. `q8_tile`: KN int8 codes tiled by that
+    many columns when it divides `rows` ([rows / q8_tile, K / 2, 2 q8_tile], quantize.tile_q8; both
+    parameters then carry attrs q8_tile, for the converter)."""
     per_word = CODES_PER_WORD if code_dtype == "uint32" else 1
     if layout == "NK":
         return nn.Parameter((rows, k // per_word), code_dtype), nn.Parameter((rows, k // GROUP), scale_dtype)
+    if q8_tile and code_dtype == "int8" and rows % q8_tile == 0:
+        codes, scale = (nn.Parameter((rows // q8_tile, k // 2, 2 * q8_tile), code_dtype),
+                        nn.Parameter((k // GROUP, rows), scale_dtype))
+        for p in (codes, scale):
+            p.attrs["q8_tile"] = q8_tile
+        return codes, scale
     return nn.Parameter((k // per_word, rows), code_dtype), nn.Parameter((k // GROUP, rows), scale_dtype)
 
 
@@ -149,11 +162,12 @@ class Q4Linear(nn.Module):
     """Group-32 symmetric int4 weights with fp16 scales (`bits=8`: int8 codes); `layout` is NK or KN."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str,
-                 scale_dtype: str = "float16", bits: int = 4, rotate: int = 1):
+                 scale_dtype: str = "float16", bits: int = 4, rotate: int = 1, q8_tile: int = 0):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
         self.rotate = rotate
         k, n = in_features, out_features
-        self.q_weight, self.q_scale = q_params(n, k, "uint32" if bits == 4 else "int8", scale_dtype, layout)
+        self.q_weight, self.q_scale = q_params(n, k, "uint32" if bits == 4 else "int8", scale_dtype, layout,
+                                               q8_tile)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -203,19 +217,22 @@ class Q4Embedding(nn.Module):
     KN columns costs hidden/8 strided words per token."""
 
     def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16", bits: int = 4,
-                 fmt: str | None = None, layout: str = "NK"):
+                 fmt: str | None = None, layout: str = "NK", q8_tile: int = 0):
         self.num, self.dim, self.dtype, self.fmt = num, dim, dtype, fmt
         self.layout = "NK" if fmt in tern.PACKINGS else layout   # ternary tables: rows only
         if fmt in tern.PACKINGS:
             self.q_weight = nn.Parameter((num, tern.packed_len(fmt, dim)), tern.code_dtype(fmt))
             self.q_scale = nn.Parameter((num, tern.n_groups(dim)), scale_dtype)
             return
-        self.q_weight, self.q_scale = q_params(num, dim, "uint32" if bits == 4 else "int8", scale_dtype, layout)
+        self.q_weight, self.q_scale = q_params(num, dim, "uint32" if bits == 4 else "int8", scale_dtype, layout,
+                                               q8_tile)
         if layout != "NK":
             for p in (self.q_weight, self.q_scale):
                 p.attrs["layout"] = layout   # the converter stores embedding tables NK unless told
 
     def forward(self, ids: Tensor) -> Tensor:
+        if len(self.q_weight.shape) == 3:
+            return self._gather_tiled(ids)
         axis = 0 if self.layout == "NK" else 1
         rows = op.take(self.q_weight, ids, axis=axis)
         scales = op.take(self.q_scale, ids, axis=axis)
@@ -231,6 +248,23 @@ class Q4Embedding(nn.Module):
             return te.compute((seq, dim), lambda i, j: t[j, i], name="embed_dequant")
 
         return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [rows, scales])
+
+    def _gather_tiled(self, ids: Tensor) -> Tensor:
+        """The rows of `ids` from a tiled q8 table (token t's codes are column t of the KN codes, inside
+        tile t // q8_tile): one TE over the whole table, which reads only those tokens' codes."""
+        dim, dtype = self.dim, self.dtype
+
+        def gather_dequant(idx: te.Tensor, w: te.Tensor, s: te.Tensor):
+            tile = int(w.shape[2]) // 2
+            seq = idx.shape[0]
+
+            def value(i, j):
+                t = idx[i]
+                return (w[t // tile, j // 2, t % tile * 2 + j % 2].astype(dtype) * s[j // GROUP, t].astype(dtype))
+
+            return te.compute((seq, dim), value, name="embed_dequant")
+
+        return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [ids, self.q_weight, self.q_scale])
 
     def lm_head(self, h: Tensor) -> Tensor:
         return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, self.layout, self.dim, self.num,
@@ -261,6 +295,7 @@ class LayerFactory:
     rotation: int = 0
     ternary_source: str = "native"   # native: import ternary weights exactly (refuse others) | ptq
     kv_dtype: str | None = None      # the KV cache's storage dtype; None: the activation dtype
+    q8_tile: int = 0                 # KN q8 codes tiled by this many columns (the target's q8_tile; 0: plain)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -279,7 +314,7 @@ class LayerFactory:
             return layer
         if fmt in FORMAT_BITS and in_features % GROUP == 0:
             layer = Q4Linear(in_features, out_features, bias, self.dtype, self.layout, self.scale_dtype,
-                             bits=FORMAT_BITS[fmt], rotate=rotate)
+                             bits=FORMAT_BITS[fmt], rotate=rotate, q8_tile=self.q8_tile)
         else:
             layer = FloatLinear(in_features, out_features, bias, self.weight_dtype, rotate=rotate)
         self._mark(layer, None, rotate)
@@ -294,7 +329,7 @@ class LayerFactory:
             return layer
         if fmt in FORMAT_BITS and dim % GROUP == 0:
             return Q4Embedding(num, dim, self.dtype, self.scale_dtype, bits=FORMAT_BITS[fmt],
-                               layout=self.layout if tied else "NK")
+                               layout=self.layout if tied else "NK", q8_tile=self.q8_tile if tied else 0)
         return FloatEmbedding(num, dim, self.weight_dtype, self.dtype)
 
     def _mark(self, layer: nn.Module, fmt: str | None, rotate: int) -> None:
