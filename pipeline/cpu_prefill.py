@@ -12,7 +12,8 @@ only there.
 
 On x86 the codes meet x quantized per row and group (int16 precision, ~2e-5 of the fp32 result) in
 integer dot products instead: AVX2's `pmaddwd` (`packed_kn_matmul_int16`) or, with AVX-512 VNNI, `vpdpbusd`
-(`packed_kn_matmul_vnni`), for q4 and t2; q8 and b1 keep the fp32 kernel without VNNI.
+(`packed_kn_matmul_vnni`), for q4 and t2; q8 codes stored tiled (host-cpu, quantize.tile_q8) take the
+pmaddwd kernel on any AVX2 CPU; KN q8 and b1 keep the fp32 kernel without VNNI.
 
 `CPUInlineParallel` substitutes this kernel for a function that is exactly the fused pattern with a
 symbolic row count (`match_packed_kn_gemv(..., rows="prompt")`); anything else keeps the schedules. Same
@@ -89,8 +90,8 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
                      q8_tile: int = 0):
     """The kernel for out[1, m, n] = x[1, m, k] @ dequantize(codes, scales), m symbolic (a prompt).
     `q8_tile`: q8 codes stored tiled (quantize.tile_q8, [N / q8_tile, K / 2, 2 q8_tile]), read by index
-    arithmetic in the task's dequantization (0.8-0.93x the KN codes' prefill kernel on SmolLM2's and the 0.32B
-    model's shapes, Zen 3: the price of the decode GEMV's 1.3-1.6x)."""
+    arithmetic in the task's dequantization: the kernel for CPUs without AVX2 (0.8-0.93x this kernel over KN
+    codes on Zen 3, 128 rows; AVX2 takes `packed_kn_matmul_int16`, 1.1-1.4x)."""
     vecs = next(v for v in TILE_VECTORS if n % (v * LANES) == 0)
     tile = vecs * LANES
     codes, bits, group = spec.codes, spec.bits, spec.group
@@ -159,7 +160,10 @@ def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot
         tile = q8_tile_of(tuple(int(d) for d in func.params[order.index("codes")].shape), n, k)
         if tile % LANES:
             return None
-        kernel = packed_kn_matmul(FORMATS["q8"], n, k, scale_dtype, q8_tile=tile)
+        if (int16_dot or byte_dot) and tile == 2 * LANES:   # VNNI CPUs have AVX2's pmaddwd too
+            kernel = packed_kn_matmul_int16(FORMATS["q8"], n, k, scale_dtype, q8_tile=tile)
+        else:
+            kernel = packed_kn_matmul(FORMATS["q8"], n, k, scale_dtype, q8_tile=tile)
         return substitute(func, kernel, order, "dequant-matmul")
     if byte_dot and fmt in VNNI_FORMATS and n % LANES == 0:
         kernel = packed_kn_matmul_vnni(FORMATS[fmt], n, k, scale_dtype)
@@ -261,7 +265,7 @@ INT16_VECTORS = (2, 1)
 
 
 def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = INT16_ROWS,
-                           vectors: tuple[int, ...] = INT16_VECTORS):
+                           vectors: tuple[int, ...] = INT16_VECTORS, q8_tile: int = 0):
     """The q4 / t2 prefill with int16 dot products (x86 AVX2 `pmaddwd`, no VNNI), x at the int16 decode
     kernel's precision (`cpu_gemv.packed_kn_gemv_int16`): the fp32 kernel above does 8 multiply-adds per
     FMA; `pmaddwd` does 16 (two int16 products per int32 lane) and Zen 3 issues two a cycle.
@@ -272,11 +276,19 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
     C/2 of each column in the two int16 halves of a lane (shift by bits * c, one mask) — then runs the
     prompt's rows `rows` at a time over them: per pair, one `pmaddwd` and one add per row and vector. At the
     end of each group the int32 sums (below 2^24, as in the decode kernel) become fp32 exactly and out += s *
-    d * (sum - offset * sum(q))."""
+    d * (sum - offset * sum(q)).
+
+    `q8_tile` (q8 codes stored tiled, quantize.tile_q8: [N / 16, K / 2, 32]): a task owns one code tile, whose
+    row pairs already hold each column's codes for rows 2p and 2p + 1 side by side — sign-extended to int16,
+    they are the lanes' pairs as they are (x's pairs are then q[2p], q[2p + 1], no offset). On Zen 3, 2
+    threads, 128 rows: 1.1-1.4x the fp32 kernel over KN q8 codes on SmolLM2's and the 0.49B Qwen3's shapes."""
     assert spec.step == 1, spec
+    if q8_tile:
+        assert spec.bits == 8 and q8_tile == 2 * LANES, (spec, q8_tile)
+        vectors = (2,)
     vecs = next(v for v in vectors if n % (v * LANES) == 0)
     tile = vecs * LANES
-    bits, group, codes = spec.bits, spec.group, spec.codes
+    bits, group, codes = spec.bits, spec.group, spec.codes if not q8_tile else 2
     half = codes // 2
     words, groups = k // codes, -(-k // group)
     pairs_n = words * half
@@ -309,8 +321,11 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
             for j in T.unroll(vecs):
                 out[0, first + r, T.Ramp(col + j * LANES, 1, LANES)] = facc[r * vecs + j]
 
+    tiled = q8_tile > 0
+    code_shape, code_dtype = ((i64(n // 16), i64(words), i64(32)), "int8") if tiled else ((i64(words), i64(n)), "uint32")
+
     @T.prim_func(private=True)
-    def matmul(w: T.Buffer((i64(words), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+    def matmul(w: T.Buffer(code_shape, code_dtype), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
                x: T.Buffer((i64(1), m, i64(k)), "float32"), out: T.Buffer((i64(1), m, i64(n)), "float32")):
         T.func_attr({"tirx.noalias": True})
         xp = T.alloc_buffer((m, pairs_n), "int32")        # per row: int16 q[C w + c] | q[C w + c + C/2] << 16
@@ -328,7 +343,12 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
             iacc = T.alloc_buffer((rows * vecs,), vi)
             facc = T.alloc_buffer((rows * vecs,), vf)
             col: T.let[T.int64] = T.Cast("int64", task) * tile
-            _unpack_codes(wq, w, col, words, half, bits, mask, tile)
+            if tiled:   # static: the tile's row pairs, sign-extended to int16 (column j's two codes in lane j)
+                for p in range(words):
+                    wq[p, T.Ramp(0, 1, tile)] = T.reinterpret(f"uint32x{tile}", T.Cast(
+                        f"int16x{2 * tile}", w[task, p, T.Ramp(0, 1, 2 * tile)]))
+            else:
+                _unpack_codes(wq, w, col, words, half, bits, mask, tile)
             _row_tiles(row_block, (xp, d, off, s, out, wq, iacc, facc), m, rows, col)
 
     return matmul

@@ -491,19 +491,25 @@ def test_tiled_q8_gemv_group_sums_are_exact_at_the_extremes():
         np.testing.assert_allclose(_call(sch.mod["main"], args, 1, n, AVX2), np.full((1, n), code * 0.5 * k), rtol=1e-6)
 
 
-def test_prefill_q8_matmul_over_tiled_codes():
-    """A prompt's rows times tiled q8 codes: the hand-written prefill kernel (one code tile per task), same
-    result as numpy on the untiled codes within fp32 summation order."""
-    n, k, rows = 48, 96, 7
+@pytest.mark.parametrize("kind", ["int16", "fp32"])
+@pytest.mark.parametrize("n,k,rows", [(48, 96, 7), (64, 576, 4)])   # 7: a block of 4 rows and 3 single ones
+def test_prefill_q8_matmul_over_tiled_codes(kind, n, k, rows):
+    """A prompt's rows times tiled q8 codes: on AVX2 the pmaddwd prefill with one code tile per task (its row
+    pairs sign-extended are the lanes' pairs; x in int16 per group: within 2e-4 of the largest output),
+    elsewhere the fp32 kernel (within fp32 summation order); against numpy on the untiled codes."""
+    if kind == "int16" and not _has_avx2(HOST):
+        pytest.skip("the int16 dot-product prefill needs x86 AVX2; this CPU has none")
     m = tirx.Var("seq_len", "int64")
     func = _q8_tiled_func(n, k, rows=m)
-    target = tvm.target.Target({"kind": "llvm"})
+    target = AVX2 if kind == "int16" else tvm.target.Target({"kind": "llvm"})
     sch = CPUInlineParallel().apply(func, target, False)
-    assert 'sblock("dequantize' not in sch.mod["main"].script()
+    text = sch.mod["main"].script()
+    assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16")
     assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == "dequant-matmul"
     args, want = _tiled_inputs(n, k, rows, seed=3)
-    np.testing.assert_allclose(_call(sch.mod["main"], args, rows, n, target), want, rtol=1e-5,
-                               atol=1e-5 * np.abs(want).max())
+    tol = 2e-4 if kind == "int16" else 1e-5
+    np.testing.assert_allclose(_call(sch.mod["main"], args, rows, n, target), want, rtol=0,
+                               atol=tol * np.abs(want).max())
 
 
 def test_tiled_q8_codes_need_whole_tiles():
