@@ -246,9 +246,9 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
         return None, None
     n_out = sum(out_elems)
     if cls == "gather" and any(str(b.dtype) in ("int32", "int64") for b in ins):
-        # only the gathered rows of the table are read: as many bytes as the output; plus the indices
-        table = max(ins, key=lambda b: _nbytes(b, env) or 0) if ins else None
-        rest = [_nbytes(b, env) for b in ins if b is not table]
+        # only the gathered rows of the table(s) are read — as many bytes as the output (a q8 table tiled for
+        # host-cpu is read as codes + scales in one kernel: both tables); plus the indices
+        rest = [_nbytes(b, env) for b in ins if str(b.dtype) in ("int32", "int64")]
         if None in rest:
             return None, None
         return 2 * sum(out_bytes) + sum(rest), n_out

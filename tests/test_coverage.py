@@ -180,3 +180,26 @@ def test_default_model_rows_name_their_module(default_model_rows):
     assert by_name["batch_decode_paged_kv"] == "layers.*.self_attn"
     assert "layers.*.input_layernorm" in by_name["rms_norm"] and "norm" in by_name["rms_norm"].split(", ")
     assert all(r["module"] for r in rows)
+
+
+def test_a_gather_counts_only_the_gathered_rows_of_its_tables():
+    """A q8 table tiled for host-cpu is gathered by one kernel that takes the whole codes and scales tables
+    (layers.Q4Embedding._gather_tiled): a decode step reads one row of each, so the cost is the output's bytes
+    (read, then written) plus the indices — not the scales table's megabytes."""
+    from tvm import te
+
+    from pipeline.coverage import _cost
+
+    vocab, dim, seq = 4096, 256, 1
+    ids = te.placeholder((seq,), "int32", name="ids")
+    w = te.placeholder((vocab // 16, dim // 2, 32), "int8", name="w")
+    s = te.placeholder((dim // 32, vocab), "float16", name="s")
+
+    def value(i, j):
+        t = ids[i]
+        return w[t // 16, j // 2, t % 16 * 2 + j % 2].astype("float32") * s[j // 32, t].astype("float32")
+
+    out = te.compute((seq, dim), value, name="embed_dequant")
+    func = te.create_prim_func([ids, w, s, out])
+    nbytes, _ = _cost("gather", func, func.script(), {})
+    assert nbytes == 2 * seq * dim * 4 + seq * 4
