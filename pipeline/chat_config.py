@@ -45,4 +45,5 @@ def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_f
         "system_lib_prefix": build_info["system_lib_prefix"],
         "activation_dtype": build_info["metadata"]["activation_dtype"],
         "weight_layout": build_info["metadata"]["weight_layout"],
+        **({"q8_tile": build_info["metadata"]["q8_tile"]} if build_info["metadata"].get("q8_tile") else {}),
     }

@@ -257,6 +257,9 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     meta = defined.module.metadata(quant.name, defined.params)
     meta["activation_dtype"] = defined.activation_dtype
     meta["weight_layout"] = defined.layout
+    tiles = {int(p.attrs["q8_tile"]) for _, p in defined.params if p.attrs and p.attrs.get("q8_tile")}
+    if tiles:   # KN q8 codes stored tiled (quantize.tile_q8): [N / q8_tile, K / 2, 2 q8_tile]
+        meta["q8_tile"] = max(tiles)
     tvm_target = target.tvm()
     forced = forcing.reasons(target, force_cpu)
     verify = _verify_mode(target, verify, defined)

@@ -27,7 +27,8 @@ def _build(folder, out, **kw):
     return run_pipeline(str(folder), "android-adreno", "q4f16", out=str(out), report=Reporter(quiet=True), **kw).bundle
 
 
-@needs_pocl
+@pytest.mark.slow     # ~75 s: `make test-slow`; the default suite runs the build-time PoCL check through the
+@needs_pocl           # default model's and the hybrid's Adreno builds (test_report, test_targets, test_qwen3_5)
 def test_adreno_build_runs_its_kernels_on_pocl(tiny_llama, tmp_path):
     bundle = _build(tiny_llama, tmp_path)
     cov = json.loads((bundle / "reports" / "coverage.json").read_text())

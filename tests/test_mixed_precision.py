@@ -8,6 +8,9 @@ scheme names, visible in the library's parameter dtypes.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -90,6 +93,8 @@ def test_scheme_matches_its_dequantized_reference(tmp_path_factory, build_bundle
     for name, dtype in dtypes.items():   # host-cpu stores KN q8 codes in tiles of 16 columns (quantize.tile_q8);
         if name.endswith(".q_weight") and dtype == "int8" and "embed_tokens" not in name:   # untied tables: NK rows
             assert len(shapes[name]) == 3 and shapes[name][2] == 32, (name, shapes[name])
+    chat = json.loads((Path(bundle.path) / "mlc-chat-config.json").read_text())   # says so to the app
+    assert chat.get("q8_tile") == (16 if "int8" in dtypes.values() else None)
     ids = np.random.default_rng(2).integers(0, 512, 48)
     ours = engine.prefill(list(ids), all_logits=True)
     with torch.no_grad():
