@@ -449,6 +449,22 @@ def q8_kn_gemv(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
     return gemv
 
 
+INT16_MAX = 32767.0   # x's steps in the int16 kernels: q = round(x * INT16_MAX / max|x|) per group
+
+
+@T.macro
+def _q8_x_pairs(x: T.Buffer, q: T.Buffer, pairs: T.Buffer, d: T.Buffer, offset: T.Buffer, lanes_f: T.Buffer,
+                lanes_i: T.Buffer, group: T.int32, k: T.int32):
+    """x quantized per group to int16 (`_quantize_groups`; q8 codes have no offset: 0 there), then the
+    consecutive pairs pmaddwd takes against a column's codes for rows 2i, 2i + 1: pairs[i] = int16 q[2 i] |
+    q[2 i + 1] << 16 (8 lanes at a time: one k // 2-lane vector took LLVM minutes)."""
+    _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, 0)
+    for i0 in range(k // 2 // LANES):
+        for i1 in T.vectorized(LANES):
+            pairs[i0 * LANES + i1] = T.bitwise_or(T.bitwise_and(q[2 * (i0 * LANES + i1)], 65535),
+                                                  T.shift_left(q[2 * (i0 * LANES + i1) + 1], 16))
+
+
 Q8_INT16_BLOCK = 16   # columns per pair of row loads in the AVX2 q8 kernel: two int32x8 sums
 Q8_INT16_BLOCKS = 3   # blocks per step when N allows (48 columns: 6 sums in registers), else 2 (one block
 # alone failed TVM's storage rewrite: "index_lanes == value_dtype.lanes()"; N not a multiple of 32 keeps fp32)
@@ -519,11 +535,7 @@ def q8_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
         partial = T.alloc_buffer((splits, n), "float32")
         lanes_f = T.alloc_buffer((LANES,), "float32")
         lanes_i = T.alloc_buffer((LANES,), "int32")
-        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, 0)
-        for i0 in range(k // 2 // LANES):    # 8 lanes at a time: one k // 2-lane vector took LLVM minutes
-            for i1 in T.vectorized(LANES):
-                pairs[i0 * LANES + i1] = T.bitwise_or(T.bitwise_and(q[2 * (i0 * LANES + i1)], 65535),
-                                                      T.shift_left(q[2 * (i0 * LANES + i1) + 1], 16))
+        _q8_x_pairs(x, q, pairs, d, offset, lanes_f, lanes_i, group, k)
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((2 * blocks,), vi)
             _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate,
@@ -581,11 +593,7 @@ def q8_tiled_gemv_int16(n: int, k: int, tile: int = 16, scale_dtype: str = "floa
         offset = T.alloc_buffer((groups,), "int32")  # `_quantize_groups` writes 0 there: q8 codes have no offset
         lanes_f = T.alloc_buffer((LANES,), "float32")
         lanes_i = T.alloc_buffer((LANES,), "int32")
-        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, 0)
-        for i0 in range(k // 2 // LANES):
-            for i1 in T.vectorized(LANES):
-                pairs[i0 * LANES + i1] = T.bitwise_or(T.bitwise_and(q[2 * (i0 * LANES + i1)], 65535),
-                                                      T.shift_left(q[2 * (i0 * LANES + i1) + 1], 16))
+        _q8_x_pairs(x, q, pairs, d, offset, lanes_f, lanes_i, group, k)
         for b in T.parallel(n // width):
             part = T.alloc_buffer((2 * blocks,), vi)
             acc = T.alloc_buffer((2 * blocks,), vf)
@@ -642,7 +650,6 @@ def q8_tiled_gemv(n: int, k: int, tile: int = 16, scale_dtype: str = "float16") 
     return gemv
 
 
-INT16_MAX = 32767.0
 SPLIT_K_MAX_N = 65536   # up to this many outputs a task's partial sums (256 KB) stay in L2: split K, not N
 INT16_FORMATS = ("q4", "t2")
 VNNI_FORMATS = ("q4", "t2", "b1")

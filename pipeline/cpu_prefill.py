@@ -38,6 +38,7 @@ from .cpu_gemv import (
     q8_tile_of,
     substitute,
 )
+from .models.layers import tiled_q8_index
 
 ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators)
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
@@ -108,7 +109,7 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
     def weight(w, s, kk, col):
         """Dequantized weight [kk, col] (scalar; vectorized over col by the caller's loop)."""
         if q8_tile:
-            code = T.Cast("float32", w[col // q8_tile, kk // 2, col % q8_tile * 2 + kk % 2])
+            code = T.Cast("float32", w[tiled_q8_index(col, kk, q8_tile)])
         elif bits == 8:
             code = T.Cast("float32", w[kk, col])
         else:
@@ -322,7 +323,8 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
                 out[0, first + r, T.Ramp(col + j * LANES, 1, LANES)] = facc[r * vecs + j]
 
     tiled = q8_tile > 0
-    code_shape, code_dtype = ((i64(n // 16), i64(words), i64(32)), "int8") if tiled else ((i64(words), i64(n)), "uint32")
+    code_shape, code_dtype = (((i64(n // q8_tile), i64(words), i64(2 * q8_tile)), "int8") if tiled
+                              else ((i64(words), i64(n)), "uint32"))
 
     @T.prim_func(private=True)
     def matmul(w: T.Buffer(code_shape, code_dtype), s: T.Buffer((i64(groups), i64(n)), scale_dtype),

@@ -40,12 +40,18 @@ def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: i
         name=f"dequantize_{layout.lower()}")
 
 
+def tiled_q8_index(col, row, tile: int) -> tuple:
+    """Where KN q8 code [row, col] sits in the tiled layout (quantize.tile_q8): (tile, row pair, byte) — index
+    arithmetic that serves TE and TIR expressions alike (the dequantize below, the tiled gather, the CPU
+    prefill kernel)."""
+    return col // tile, row // 2, col % tile * 2 + row % 2
+
+
 def dequantize_q8_te(codes: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
     """TE for W^T[k, n] from int8 codes + fp16 scales (NK: codes [N, K], KN: codes [K, N] or tiled)."""
     def value(kk, nn_):
         if len(codes.shape) == 3:      # KN tiled (quantize.tile_q8): [N / tile, K / 2, 2 tile]
-            tile = int(codes.shape[2]) // 2
-            c = codes[nn_ // tile, kk // 2, nn_ % tile * 2 + kk % 2]
+            c = codes[tiled_q8_index(nn_, kk, int(codes.shape[2]) // 2)]
         else:
             c = codes[nn_, kk] if layout == "NK" else codes[kk, nn_]
         s = scale[nn_, kk // GROUP] if layout == "NK" else scale[kk // GROUP, nn_]
@@ -260,7 +266,7 @@ class Q4Embedding(nn.Module):
 
             def value(i, j):
                 t = idx[i]
-                return (w[t // tile, j // 2, t % tile * 2 + j % 2].astype(dtype) * s[j // GROUP, t].astype(dtype))
+                return w[tiled_q8_index(t, j, tile)].astype(dtype) * s[j // GROUP, t].astype(dtype)
 
             return te.compute((seq, dim), value, name="embed_dequant")
 
