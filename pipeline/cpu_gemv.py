@@ -27,10 +27,11 @@ fields, x prescaled by 4^-i and an offset of 1; a last group shorter than 128 (K
 
 On x86 with AVX2, x is quantized per weight group to int16 and the codes meet it in integer dot products
 (`packed_kn_gemv_int16`, pmaddwd); with AVX-512 VNNI (e.g. Zen 4) in byte dot products, x split into two
-signed bytes at the same precision (`packed_kn_gemv_vnni` for q4 / t2, `q8_kn_gemv_vnni` for q8, whose KN
+signed bytes at the same precision (`packed_kn_gemv_bytes` for q4 / t2, `q8_kn_gemv_vnni` for q8, whose KN
 rows are interleaved 4 at a time first): fewer instructions per weight, which is what bounded these
 kernels at 2 threads (ternary_ptq decode 7.15 -> 6.14 ms per token side by side on SmolLM2, most of it the
-q8 lm_head). q8 on AVX2 without VNNI takes `q8_kn_gemv_int16` (row pairs interleaved, pmaddwd).
+q8 lm_head). q8 on AVX2 without VNNI takes `q8_kn_gemv_int16` (row pairs interleaved, pmaddwd); t2 / b1 there
+the byte kernel with `pmaddubsw` (`packed_kn_gemv_bytes(dot="avx2")`: 16-bit sums per group).
 
 host-cpu stores q8 codes tiled instead (target `q8_tile: 16`, quantize.tile_q8): 16 columns per tile, a
 column's codes for rows 2i and 2i + 1 side by side, each tile contiguous over K. `q8_tiled_gemv_int16` then
@@ -152,7 +153,7 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
     """The hand-written kernel with `func`'s parameter order, or None when `func` is not such a GEMV.
     `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`, q8
     `q8_kn_gemv_int16`); `byte_dot`: it
-    has AVX-512 VNNI's vpdpbusd on 256-bit vectors (then `packed_kn_gemv_vnni`, q8 `q8_kn_gemv_vnni`). `threads`: the
+    has AVX-512 VNNI's vpdpbusd on 256-bit vectors (then `packed_kn_gemv_bytes`, q8 `q8_kn_gemv_vnni`). `threads`: the
     threads the library runs with when known (host-cpu: `build_threads`), K split that many ways (int16 and
     q8 kernels); 1 keeps column spans (a cross-compiled target: the phone's thread count is not known)."""
     match = match_packed_kn_gemv(func, text)
@@ -166,7 +167,9 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
         kernel = q8_tiled_gemv_int16(n, k, tile, scale_dtype) if int16 else q8_tiled_gemv(n, k, tile, scale_dtype)
         return substitute(func, kernel, order, "dequant-gemv")
     if fmt in VNNI_FORMATS and byte_dot and k % LANES == 0:
-        kernel = packed_kn_gemv_vnni(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
+        kernel = packed_kn_gemv_bytes(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
+    elif fmt in AVX2_BYTE_FORMATS and int16_dot and k % LANES == 0:
+        kernel = packed_kn_gemv_bytes(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt), dot="avx2")
     elif fmt in INT16_FORMATS and int16_dot and k % LANES == 0:
         kernel = packed_kn_gemv_int16(FORMATS[fmt], n, k, scale_dtype, k_splits(n, k, threads, fmt))
     elif fmt == "q8" and byte_dot and n % Q8_TILE == 0 and FORMATS[fmt].group % 4 == 0:
@@ -653,7 +656,10 @@ def q8_tiled_gemv(n: int, k: int, tile: int = 16, scale_dtype: str = "float16") 
 SPLIT_K_MAX_N = 65536   # up to this many outputs a task's partial sums (256 KB) stay in L2: split K, not N
 INT16_FORMATS = ("q4", "t2")
 VNNI_FORMATS = ("q4", "t2", "b1")
-VNNI_Q_MAX = 32512.0     # 127 * 256 + 127: x's steps as two signed bytes (packed_kn_gemv_vnni)
+# AVX2 without VNNI: packed_kn_gemv_bytes(dot="avx2") (pmaddubsw). Not q4: 1.0-1.06x the pmaddwd kernel per GEMV
+# on Zen 3 and no decode difference outside the machine's noise (0.94-1.13x side by side, either way).
+AVX2_BYTE_FORMATS = ("t2", "b1")
+VNNI_Q_MAX = 32512.0     # 127 * 256 + 127: x's steps as two signed bytes (packed_kn_gemv_bytes)
 
 
 def build_threads() -> int:
@@ -775,8 +781,8 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
 
 
 
-def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
-                        splits: int = 1) -> tirx.PrimFunc:
+def packed_kn_gemv_bytes(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
+                        splits: int = 1, dot: str = "vnni") -> tirx.PrimFunc:
     """The q4 / t2 GEMV with byte dot products (AVX-512 VNNI `vpdpbusd`: 4 unsigned bytes times 4 signed
     bytes added into an int32 lane), x at the int16 kernel's precision: for q4 7 vector instructions per
     word (8 codes) instead of 11, for t2 15 instead of 23, which is what bounded the int16 kernel (1.4-1.6x
@@ -789,7 +795,18 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
     byte b of each lane code b C/4 + c; one `vpdpbusd` against the broadcast hi bytes of those four codes'
     q, one against their lo bytes; at the end of a group 256 * hi sums + lo sums - offset * sum(q) is at
     most 128 * 3 * 32512 (t2) or 32 * 15 * 32512 (q4) < 2^24, so converting to fp32 is exact; then out +=
-    s * d * that, d = max|x| / 32512."""
+    s * d * that, d = max|x| / 32512.
+
+    `dot="avx2"` (AVX2 without VNNI, e.g. Zen 3): `pmaddubsw` in place of `vpdpbusd` — two byte products
+    added into each int16 half of a lane, then a 16-bit add into the group's sums, widened to int32 at the
+    group's end (pmaddwd with ones: the lane's halves are the same column). No sum can wrap: a pmaddubsw
+    output is at most 2 * 15 * 128 = 3840 (q4; t2 768, b1 256) and a group adds 8 (q4) or 32 (t2, b1) of
+    them per half, at most 30720 < 2^15; so the integer sums, and the outputs, equal the VNNI form's. Per
+    t2 word and 8 columns 23 vector instructions instead of the pmaddwd kernel's 28 (which is near the issue
+    width of Zen 3 there: ~42 G multiply-adds/s per thread, weights in cache). Zen 3, 2 threads, weights not
+    in cache, the 7 t2 shapes of SmolLM2 and the 0.49B Qwen3, alternated rounds: 1.04-1.12x per GEMV (best
+    of 7 rounds; 1.01-1.09x median); ternary_ptq decode side by side 1.02x (0.49B) and 1.06x (SmolLM2),
+    within the machine's noise at the time."""
     vecs, tile, span = _tiling(n)
     if splits > 1:
         span = n
@@ -800,25 +817,42 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
     col_tasks = n // span
     prefetch = _prefetches(per_group * n * 4)
     i64 = T.int64
-    vi, vu, vb = f"int32x{LANES}", f"uint32x{LANES}", f"int8x{4 * LANES}"
+    vi, vu, vb, vh = f"int32x{LANES}", f"uint32x{LANES}", f"int8x{4 * LANES}", f"int16x{2 * LANES}"
+    acc_vector = vi if dot == "vnni" else vh
+
+    def byte_dot(acc, codes, xs):
+        """acc + the products of `codes` (unsigned bytes) and x's signed bytes `xs`: 4 per int32 lane (vnni: one
+        vpdpbusd) or 2 per int16 half of a lane (avx2: pmaddubsw, then a 16-bit add)."""
+        if dot == "vnni":
+            return T.call_llvm_pure_intrin(vi, "llvm.x86.avx512.vpdpbusd.256", acc, T.reinterpret(vb, codes),
+                                           T.reinterpret(vb, xs))
+        return acc + T.call_llvm_pure_intrin(vh, "llvm.x86.avx2.pmadd.ub.sw", T.reinterpret(vb, codes),
+                                             T.reinterpret(vb, xs))
+
+    def widened(acc):
+        """A group's sums per int32 lane (avx2: the lane's two int16 halves added by pmaddwd with ones)."""
+        if dot == "vnni":
+            return acc
+        return T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", acc, T.Broadcast(T.int16(1), 2 * LANES))
 
     @T.macro
     def accumulate(w, s, quads, d, offset, partial, part, word, row, g, col, end):
         for j in T.unroll(2 * vecs):
-            part[j] = T.Broadcast(0, LANES)
+            part[j] = T.reinterpret(acc_vector, T.Broadcast(0, LANES))
         for kw in range(T.min(per_group, words - g * per_group)):
             _load_words(word, w, g * per_group + kw, col, vecs, prefetch and g + 1 < end, (g + 1) * per_group + kw,
                         words, n)
             for c in T.unroll(shifts):
                 for h in T.unroll(2):
                     for j in T.unroll(vecs):
-                        part[h * vecs + j] = T.call_llvm_pure_intrin(
-                            vi, "llvm.x86.avx512.vpdpbusd.256", part[h * vecs + j], T.reinterpret(
-                                vb, T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(bits * c), LANES)),
-                                                  T.Broadcast(T.uint32(mask), LANES))),
-                            T.reinterpret(vb, T.Broadcast(quads[h, (g * per_group + kw) * shifts + c], LANES)))
+                        part[h * vecs + j] = byte_dot(
+                            part[h * vecs + j],
+                            T.bitwise_and(T.shift_right(word[j], T.Broadcast(T.uint32(bits * c), LANES)),
+                                          T.Broadcast(T.uint32(mask), LANES)),
+                            T.Broadcast(quads[h, (g * per_group + kw) * shifts + c], LANES))
         for j in T.unroll(vecs):
-            _add_scaled(partial, row, col + j * LANES, s, g, d, (part[j] * T.Broadcast(256, LANES) + part[vecs + j])
+            _add_scaled(partial, row, col + j * LANES, s, g, d, (widened(part[j]) * T.Broadcast(256, LANES)
+                                                                 + widened(part[vecs + j]))
                         * T.Broadcast(spec.step, LANES) - T.Broadcast(offset[g], LANES))
 
     @T.prim_func(private=True)
@@ -842,7 +876,7 @@ def packed_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "
                 quads[0, kw * shifts + c] = quad_bytes(hi, kw * codes + c, shifts)
                 quads[1, kw * shifts + c] = quad_low_bytes(q, hi, kw * codes + c, shifts)
         for task in T.parallel(splits * col_tasks):
-            part = T.alloc_buffer((2 * vecs,), vi)   # hi sums, then lo sums
+            part = T.alloc_buffer((2 * vecs,), acc_vector)   # hi sums, then lo sums
             word = T.alloc_buffer((vecs,), vu)
             _split_task(out, partial, task, col_tasks, span, tile, groups, splits, accumulate,
                         (w, s, quads, d, offset, partial, part, word))
@@ -892,7 +926,7 @@ def _interleave(codes: T.Buffer, pairs: T.Buffer, w: T.Buffer, row: T.int32, col
 def q8_kn_gemv_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
                     splits: int = 1) -> tirx.PrimFunc:
     """The q8 GEMV with byte dot products (AVX-512 VNNI `vpdpbusd`), x at the int16 kernels' precision as in
-    `packed_kn_gemv_vnni`. A `vpdpbusd` lane adds 4 byte products of one column, but KN int8 codes hold a
+    `packed_kn_gemv_bytes`. A `vpdpbusd` lane adds 4 byte products of one column, but KN int8 codes hold a
     column's consecutive k in different rows: 4 rows of 32 columns are loaded and interleaved by in-lane
     unpacks (`_interleave`) into 4 vectors whose int32 lanes each hold the 4 codes of one column. The signed
     codes become unsigned bytes by flipping the sign bit (c + 128), so a group's sum is corrected by 128 *

@@ -184,7 +184,7 @@ WIDE_LANES = 16
 
 def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = VNNI_ROWS):
     """The q4 / t2 prefill with byte dot products (AVX-512 VNNI), x at the int16 kernels' precision as in
-    `cpu_gemv.packed_kn_gemv_vnni`: the fp32 kernel above is FMA-bound (8 multiply-adds per instruction);
+    `cpu_gemv.packed_kn_gemv_bytes`: the fp32 kernel above is FMA-bound (8 multiply-adds per instruction);
     `vpdpbusd` does 32, two per 4 multiply-adds of a lane with x in two bytes (hi, lo).
 
     Every prompt row's x is quantized per group first (rows in parallel): its step d and, per word of codes

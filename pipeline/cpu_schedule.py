@@ -97,7 +97,7 @@ def _has_avx2(target) -> bool:
 
 def _has_vnni(target) -> bool:
     """The target has AVX-512 VNNI on 256-bit vectors (vpdpbusd, e.g. Zen 4, Ice Lake and later): the byte
-    dot-product GEMV (cpu_gemv.packed_kn_gemv_vnni) applies."""
+    dot-product GEMV (cpu_gemv.packed_kn_gemv_bytes) applies."""
     from tvm.target import codegen
 
     try:

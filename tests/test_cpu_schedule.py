@@ -318,16 +318,46 @@ def _t2_gemv_func(k: int, n: int = 48, fmt: str = "t2"):
 @pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
 @pytest.mark.parametrize("k", [256, 192, 576])   # 192 / 576: a last group of 64 weights (SmolLM2's K = 576)
 @pytest.mark.parametrize("threads", [1, 2, 3])   # 3 parts of 2 groups at K = 192: a part may hold only one
-def test_decode_t2_gemv_takes_int16_dot_products_on_avx2(k, threads, monkeypatch):
-    """t2 on AVX2: the same pmaddwd kernel with 2-bit fields (codes c and c + 8 per lane pair), x in int16
-    per group of 128; K split up to `threads` ways, parts of unequal group counts when they do not divide."""
+def test_t2_int16_gemv_is_exact_to_x_int16_steps(k, threads, monkeypatch):
+    """The pmaddwd kernel with 2-bit fields (codes c and c + 8 per lane pair), x in int16 per group of 128
+    (AVX2 CPUs now take the byte kernel for t2; this one stays for reference and is kept correct); K split up
+    to `threads` ways, parts of unequal group counts when they do not divide."""
+    spec = cpu_gemv.FORMATS["t2"]
+    func = _t2_gemv_func(k)
+    kernel = cpu_gemv.packed_kn_gemv_int16(spec, 48, k, "float16", cpu_gemv.k_splits(48, k, threads, "t2"))
+    want = _run(func, 1)
+    got = _run(kernel.with_attr("global_symbol", "main"), 1, AVX2)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the byte dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.parametrize("fmt,n,k", [("q4", 72, K), ("q4", 40, K), ("q4", 192, K), ("t2", 48, 256),
+                                     ("t2", 48, 192), ("t2", 48, 576), ("b1", 48, 256), ("b1", 48, 576)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_gemv_takes_pmaddubsw_on_avx2(fmt, n, k, threads, monkeypatch):
+    """With AVX2 and no VNNI, t2 and b1 take the byte kernel in its `pmaddubsw` form (q4 keeps the pmaddwd
+    kernel; its byte form is checked here too): x split into two signed bytes as for VNNI, products of 2
+    codes added into int16 halves, 16-bit sums over a group, widened at its end: the same integer sums as
+    the vpdpbusd form, so the same bound: within 2e-4 of the largest output of the fp32 TE."""
 
     monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
-    func = _t2_gemv_func(k)
-    sch = CPUInlineParallel().apply(func, AVX2, False)
-    assert "pmadd.wd" in sch.mod["main"].script()
+    func = _q4_gemv_func(n, relax_order=True) if fmt == "q4" else _t2_gemv_func(k, n, fmt)   # q4: K = 96
+    if fmt in cpu_gemv.AVX2_BYTE_FORMATS:
+        kernel = CPUInlineParallel().apply(func, AVX2, False).mod["main"]
+    else:
+        assert "pmadd.ub.sw" not in CPUInlineParallel().apply(func, AVX2, False).mod["main"].script()
+        kk = K if fmt == "q4" else k
+        kernel = cpu_gemv.packed_kn_gemv_bytes(cpu_gemv.FORMATS[fmt], n, kk, "float16",
+                                               cpu_gemv.k_splits(n, kk, threads, fmt), dot="avx2")
+        kernel = cpu_gemv.substitute(func, kernel, cpu_gemv.match_packed_kn_gemv(func)[4], "dequant-gemv")
+    text = kernel.script()
+    assert "pmadd.ub.sw" in text and "vpdpbusd" not in text
     want = _run(func, 1)
-    np.testing.assert_allclose(_run(sch.mod["main"], 1, AVX2), want, rtol=0, atol=2e-4 * np.abs(want).max())
+    got = _run(kernel, 1, AVX2)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    if _has_vnni(HOST):   # the same integer sums as the vpdpbusd form: identical outputs
+        vnni = CPUInlineParallel().apply(func, HOST, False).mod["main"]
+        np.testing.assert_array_equal(_run(vnni, 1, HOST), got)
 
 
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
@@ -615,7 +645,7 @@ def test_prompt_elementwise_runs_whole_vectors_per_task():
 
 
 @pytest.mark.parametrize("kind,fmt", [("int16", "q4"), ("int16", "t2"), ("vnni", "q4"), ("vnni", "t2"), ("vnni", "b1"),
-                                      ("q8vnni", "q8")])
+                                      ("q8vnni", "q8"), ("avx2bytes", "t2"), ("avx2bytes", "q4")])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_integer_gemvs_prefetch_the_next_group_only_when_near(kind, fmt, splits, monkeypatch):
     """The integer GEMVs prefetch the next group's code rows of their tile (the task's own next group: a part
@@ -623,13 +653,15 @@ def test_integer_gemvs_prefetch_the_next_group_only_when_near(kind, fmt, splits,
     lm_head; the prefetch changes no result (bit-identical to the same kernel without it)."""
     from pipeline import cpu_gemv as cg
 
-    builder = {"int16": cg.packed_kn_gemv_int16, "vnni": cg.packed_kn_gemv_vnni, "q8vnni": cg.q8_kn_gemv_vnni}[kind]
+    builder = {"int16": cg.packed_kn_gemv_int16, "vnni": cg.packed_kn_gemv_bytes, "q8vnni": cg.q8_kn_gemv_vnni,
+               "avx2bytes": lambda *a: cg.packed_kn_gemv_bytes(*a, dot="avx2")}[kind]
     spec = cg.FORMATS[fmt]
     assert "llvm.prefetch" in builder(spec, 3072, 576, "float16", splits).script()
     assert "llvm.prefetch" not in builder(spec, 49152, 576, "float16", splits).script()
     n, k = 96, 640 if fmt != "q8" else 256   # t2 / b1: 5 groups of 128, q4 / q8: 20 / 8 groups of 32
-    target = AVX2 if kind == "int16" else HOST
-    if (kind == "int16" and not _has_avx2(HOST)) or (kind != "int16" and not _has_vnni(HOST)):
+    avx2 = kind in ("int16", "avx2bytes")
+    target = AVX2 if avx2 else HOST
+    if (avx2 and not _has_avx2(HOST)) or (not avx2 and not _has_vnni(HOST)):
         pytest.skip("this CPU cannot run the kernel")
     outs = []
     for ahead in (cg.PREFETCH_MAX_AHEAD, 0):
