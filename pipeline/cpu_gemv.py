@@ -654,7 +654,7 @@ def q8_tiled_gemv(n: int, k: int, tile: int = 16, scale_dtype: str = "float16") 
 
 
 SPLIT_K_MAX_N = 65536   # up to this many outputs a task's partial sums (256 KB) stay in L2: split K, not N
-INT16_FORMATS = ("q4", "t2")
+INT16_FORMATS = ("q4", "t2")   # packed_kn_gemv_int16 (decode t2 on AVX2 takes AVX2_BYTE_FORMATS' kernel first)
 VNNI_FORMATS = ("q4", "t2", "b1")
 # AVX2 without VNNI: packed_kn_gemv_bytes(dot="avx2") (pmaddubsw). Not q4: 1.0-1.06x the pmaddwd kernel per GEMV
 # on Zen 3 and no decode difference outside the machine's noise (0.94-1.13x side by side, either way).

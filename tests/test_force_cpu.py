@@ -93,6 +93,7 @@ def test_forced_kernels_compiled_for_host(forced_adreno):
     assert b"__tvm_ffi_" + prefix + b"rms_norm" in host                       # ... but host code
 
 
+@pytest.mark.slow   # a second Adreno build (~40 s); the forced build's report is pinned above
 def test_force_changes_cache_key(forced_adreno, tiny_llama, tmp_path):
     plain = _run(tiny_llama, "android-adreno", tmp_path)
     key = lambda b: json.loads((b / "reports" / "kernels.json").read_text())["key"]  # noqa: E731

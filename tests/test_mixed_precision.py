@@ -73,7 +73,7 @@ def test_unknown_format_is_a_config_error(tmp_path):
         QuantSpec(name="bad", weight_format="q4", formats={"lm_head": "q3"}, path=tmp_path / "bad.yaml")
 
 
-@pytest.mark.parametrize("scheme", ["q8f16", "mixed", "q0f16"])
+@pytest.mark.parametrize("scheme", ["q8f16", "mixed", pytest.param("q0f16", marks=pytest.mark.slow)])
 def test_scheme_matches_its_dequantized_reference(tmp_path_factory, build_bundle, scheme):
     from test_model_numerics import tiny_hf_model
 

@@ -108,6 +108,7 @@ def test_fp32_kernels_match_x86(tmp_path):
     assert not bad, bad
 
 
+@pytest.mark.slow   # fp16 compute under qemu: make test-slow (the fp32 kernels above run in the default suite)
 def test_fp16_kernels_match_x86(tmp_path):
     kernels, mod = _build(tmp_path, "float16")
     errors, kv_driven = compare_kernels(kernels, mod)

@@ -274,7 +274,7 @@ def test_multimodal_checkpoint_layout_converts_like_text_only(random_model, tmp_
         assert (caches[0] / name).read_bytes() == (caches[1] / name).read_bytes()
 
 
-@pytest.mark.parametrize("target", ["android-adreno", "android-cpu"])
+@pytest.mark.parametrize("target", ["android-adreno", pytest.param("android-cpu", marks=pytest.mark.slow)])
 def test_phone_targets_place_every_hybrid_kernel(random_model, build_bundle, target):
     """Adreno: every kernel (GDN, conv, gates, RNN-state copies, attention) is an OpenCL kernel in the
     library — none silently left on the CPU. android-cpu: the same model builds for aarch64."""

@@ -217,9 +217,10 @@ def _cache_bytes(bundle) -> dict[str, int]:
     return {r["name"]: r["nbytes"] for shard in index["records"] for r in shard["records"]}
 
 
-@pytest.mark.parametrize("scheme,bits,source", [("ternary", 2.125, "ternary_model"),
-                                               ("ternary_t3", 1.725, "ternary_model"),
-                                               ("binary", 1.125, "binary_model")])
+@pytest.mark.parametrize("scheme,bits,source", [  # t3 / b1: their kernels also run in the PoCL / phone tests below
+    ("ternary", 2.125, "ternary_model"),
+    pytest.param("ternary_t3", 1.725, "ternary_model", marks=pytest.mark.slow),
+    pytest.param("binary", 1.125, "binary_model", marks=pytest.mark.slow)])
 def test_ternary_import_build_run(request, build_bundle, scheme, bits, source):
     folder, model = request.getfixturevalue(source)
     bundle = Bundle(build_bundle(folder, "host-cpu", scheme))
@@ -280,7 +281,8 @@ def _ptq(name: str, w: np.ndarray, rotation: int = 0) -> np.ndarray:
     return tern.hadamard_rows(t, rotate)
 
 
-@pytest.mark.parametrize("scheme,rotation", [("ternary_ptq", 0), ("ternary_ptq_rot", 1024)])
+@pytest.mark.parametrize("scheme,rotation", [  # the rotation itself: test_rotation_is_exact_in_fp32
+    ("ternary_ptq", 0), pytest.param("ternary_ptq_rot", 1024, marks=pytest.mark.slow)])
 def test_ptq_matches_its_ternarised_reference(ordinary_model, build_bundle, scheme, rotation):
     """PTQ (and PTQ after the Hadamard rotation) compiled vs torch on the same ternarised weights."""
     folder, model = ordinary_model
