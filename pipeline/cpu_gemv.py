@@ -807,6 +807,7 @@ def packed_kn_gemv_bytes(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
     in cache, the 7 t2 shapes of SmolLM2 and the 0.49B Qwen3, alternated rounds: 1.04-1.12x per GEMV (best
     of 7 rounds; 1.01-1.09x median); ternary_ptq decode side by side 1.02x (0.49B) and 1.06x (SmolLM2),
     within the machine's noise at the time."""
+    assert dot in ("vnni", "avx2"), dot
     vecs, tile, span = _tiling(n)
     if splits > 1:
         span = n

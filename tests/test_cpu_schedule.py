@@ -331,9 +331,8 @@ def test_decode_gemv_takes_pmaddubsw_on_avx2(fmt, n, k, threads, monkeypatch):
         kernel = CPUInlineParallel().apply(func, AVX2, False).mod["main"]
     else:
         assert "pmadd.ub.sw" not in CPUInlineParallel().apply(func, AVX2, False).mod["main"].script()
-        kk = K if fmt == "q4" else k
-        kernel = cpu_gemv.packed_kn_gemv_bytes(cpu_gemv.FORMATS[fmt], n, kk, "float16",
-                                               cpu_gemv.k_splits(n, kk, threads, fmt), dot="avx2")
+        kernel = cpu_gemv.packed_kn_gemv_bytes(cpu_gemv.FORMATS[fmt], n, k, "float16",
+                                               cpu_gemv.k_splits(n, k, threads, fmt), dot="avx2")
         kernel = cpu_gemv.substitute(func, kernel, cpu_gemv.match_packed_kn_gemv(func)[4], "dequant-gemv")
     text = kernel.script()
     assert "pmadd.ub.sw" in text and "vpdpbusd" not in text
