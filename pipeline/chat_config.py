@@ -46,4 +46,6 @@ def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_f
         "activation_dtype": build_info["metadata"]["activation_dtype"],
         "weight_layout": build_info["metadata"]["weight_layout"],
         **({"q8_tile": build_info["metadata"]["q8_tile"]} if build_info["metadata"].get("q8_tile") else {}),
+        **({"q4_tile": build_info["metadata"]["q4_tile"]} if build_info["metadata"].get("q4_tile") else {}),
+        **({"t2_tile": build_info["metadata"]["t2_tile"]} if build_info["metadata"].get("t2_tile") else {}),
     }

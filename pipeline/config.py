@@ -54,6 +54,8 @@ class TargetSpec:
     compute_dtype: str = "float32"
     weight_layout: str = "NK"
     q8_tile: int = 0                  # KN q8 codes tiled by this many columns (quantize.tile_q8); 0: plain
+    q4_tile: int = 0                  # KN q4 codes + scales tiled by up to this many columns (quantize.tile_kn)
+    t2_tile: int = 0                  # KN t2 (ternary) codes + scales the same way
     schedule_rules: tuple[str, ...] = ()
     runnable_here: bool = False
     host_native: bool = False
@@ -207,6 +209,11 @@ def load_target(name: str) -> TargetSpec:
     if not isinstance(spec.q8_tile, int) or spec.q8_tile < 0 or spec.q8_tile % 8:
         raise ConfigError(f"q8_tile must be 0 or a positive multiple of 8, not {spec.q8_tile!r}", path=path,
                           fix="q8_tile: 16 (what the AVX2 kernel takes) or 0 (plain KN codes)")
+    for tile_field in ("q4_tile", "t2_tile"):
+        value = getattr(spec, tile_field)
+        if not isinstance(value, int) or value < 0 or value % 8 or value > 24:
+            raise ConfigError(f"{tile_field} must be 0, 8, 16 or 24, not {value!r}", path=path,
+                              fix=f"{tile_field}: 24 (the widest tile the kernels take) or 0 (plain KN codes)")
     if spec.requires_codegen and not _has_global_func(spec.requires_codegen):
         raise ConfigError(
             f"target {name!r} needs TVM's {spec.requires_codegen} code generator, which this TVM "

@@ -29,7 +29,7 @@ import numpy as np
 from . import ternary as tern
 from .errors import WeightsError
 from .models.layers import CODES_PER_WORD, GROUP
-from .quantize import quantize_q4, quantize_q8, tile_q8
+from .quantize import quantize_q4, quantize_q8, tile_kn, tile_q8
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
          # Gated DeltaNet (Qwen3.5): one input GEMV instead of four
@@ -112,13 +112,15 @@ def _mismatch(ckpt: Any, name: str, want: tuple[int, ...], got: tuple[int, ...])
 def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dict[str, tuple[int, ...]],
                 block_bytes: int, on_bytes: Callable[[int], None] | None,
                 bits: int = 4, rotate: int = 1, calibrated: Any = None,
-                stats: dict[str, float] | None = None, q8_tile: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                stats: dict[str, float] | None = None, q8_tile: int = 0,
+                q4_tile: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Group-quantize the sources of `name` (a .q_weight or .q_scale) block by block -> (codes, scale):
     int4 packed 8 per uint32 (`bits=4`) or int8 codes (`bits=8`). `calibrated` (calibrate.CalibratedInput):
     error feedback instead of round-to-nearest, with the result kept in the calibration's store (NK), so
     another layout or target of the same weights reuses it; `stats` then sums the output error
     (`calib_err`) and output energy (`calib_energy`) on the calibration inputs. `q8_tile`: KN int8 codes
-    returned tiled (quantize.tile_q8), once the whole tensor is quantized."""
+    returned tiled (quantize.tile_q8), once the whole tensor is quantized; `q4_tile`: KN int4 codes and scales
+    returned tiled by that many columns (quantize.tile_kn; the layer chose it, layers.tile_width)."""
     src_shape = _source_shape(ckpt, name, names)
     n = src_shape[0]
     if len(src_shape) != 2 or src_shape[1] % GROUP:
@@ -132,8 +134,12 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
     packed_shape = (n, k // per_word) if nk else (k // per_word, n)
     scale_shape = (n, k // GROUP) if nk else (k // GROUP, n)
     tiled = q8_tile and bits == 8 and not nk
+    tiled4 = q4_tile and bits == 4 and not nk
     stored_shape = (n // q8_tile, k // 2, 2 * q8_tile) if tiled else packed_shape
-    mine = stored_shape if name.endswith(".q_weight") else scale_shape
+    stored_scale = scale_shape
+    if tiled4:
+        stored_shape, stored_scale = (n // q4_tile, k // per_word, q4_tile), (n // q4_tile, k // GROUP, q4_tile)
+    mine = stored_shape if name.endswith(".q_weight") else stored_scale
     if name in shapes and shapes[name] != mine:
         raise _mismatch(ckpt, name, shapes[name], mine)
     packed = np.empty(packed_shape, np.uint32 if bits == 4 else np.int8)
@@ -145,6 +151,8 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
         for r0, block in _row_blocks(ckpt, names, block_bytes, rotate):
             p, s = rtn(block, "NK")
             _store_rows(packed, scale, r0, p, s, nk, name, on_bytes)
+    if tiled4:
+        return tile_kn(packed, q4_tile), tile_kn(scale, q4_tile)
     return (tile_q8(packed, q8_tile) if tiled else packed), scale
 
 
@@ -259,7 +267,10 @@ def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes
     nk = layout == "NK"
     cols, groups = tern.packed_len(fmt, k), tern.n_groups(k)
     packed_shape, scale_shape = ((n, cols), (n, groups)) if nk else ((cols, n), (groups, n))
+    tile = int(attrs.get("t2_tile", 0)) if fmt == "t2" and not nk else 0   # quantize.tile_kn, the layer's choice
     mine = packed_shape if name.endswith(".q_weight") else scale_shape
+    if tile:
+        mine = (n // tile, cols, tile) if name.endswith(".q_weight") else (n // tile, groups, tile)
     if name in shapes and shapes[name] != mine:
         raise _mismatch(ckpt, name, shapes[name], mine)
     packed = np.empty(packed_shape, tern.code_dtype(fmt))
@@ -276,6 +287,8 @@ def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes
         if stats is not None:
             _ternary_stats(stats, block, trits, s, s64, native)
         _store_rows(packed, scale, r0, tern.pack(trits, fmt, k), s, nk, name, on_bytes)
+    if tile:
+        return tile_kn(packed, tile), tile_kn(scale, tile)
     return packed, scale
 
 
@@ -352,7 +365,7 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
                 packed, scale = _convert_q4(ckpt, name, sources, tensor_layout, shapes, block_bytes, on_bytes,
                                             bits=bits, rotate=rotate, stats=stats,
                                             calibrated=_calibrated(calibration, base, tied, rotate),
-                                            q8_tile=int(attrs.get("q8_tile", 0)))
+                                            q8_tile=int(attrs.get("q8_tile", 0)), q4_tile=int(attrs.get("q4_tile", 0)))
             is_weight = name.endswith(".q_weight")
             arr = packed if is_weight else scale
             pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed

@@ -31,6 +31,7 @@ from .cpu_gemv import (
     INT16_FORMATS,
     INT16_MAX,
     LANES,
+    TILED_PACKED,
     TILED_Q8,
     VNNI_FORMATS,
     PackedFormat,
@@ -38,7 +39,7 @@ from .cpu_gemv import (
     q8_tile_of,
     substitute,
 )
-from .models.layers import tiled_q8_index
+from .models.layers import tiled_kn_index, tiled_q8_index
 
 ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators)
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
@@ -87,12 +88,27 @@ def _unpack_codes(wq: T.Buffer, w: T.Buffer, col, words: T.int32, per_word: T.in
                                                          T.uint32(mask))
 
 
+@T.macro
+def _unpack_tiled_codes(wq: T.Buffer, w: T.Buffer, col, words: T.int32, per_word: T.int32, bits: T.int32,
+                        mask: T.int32, tile: T.int32, code_tile: T.int32):
+    """`_unpack_codes` from q4 codes stored tiled (quantize.tile_kn, `code_tile` columns per tile): 8 columns
+    at a time, which never straddle two code tiles (code_tile is a multiple of 8)."""
+    for kw in range(words):
+        for c in T.unroll(per_word):
+            for v in range(tile // LANES):
+                for j in T.vectorized(LANES):
+                    wq[kw * per_word + c, v * LANES + j] = T.bitwise_and(T.shift_right(
+                        w[(col + v * LANES) // code_tile, kw, (col + v * LANES) % code_tile + j], T.uint32(bits * c)),
+                        T.uint32(mask))
+
+
 def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = ROWS,
-                     q8_tile: int = 0):
+                     q8_tile: int = 0, packed_tile: int = 0):
     """The kernel for out[1, m, n] = x[1, m, k] @ dequantize(codes, scales), m symbolic (a prompt).
     `q8_tile`: q8 codes stored tiled (quantize.tile_q8, [N / q8_tile, K / 2, 2 q8_tile]), read by index
     arithmetic in the task's dequantization: the kernel for CPUs without AVX2 (0.8-0.93x this kernel over KN
-    codes on Zen 3, 128 rows; AVX2 takes `packed_kn_matmul_int16`, 1.1-1.4x)."""
+    codes on Zen 3, 128 rows; AVX2 takes `packed_kn_matmul_int16`, 1.1-1.4x). `packed_tile`: q4 / t2 codes
+    and scales stored tiled (quantize.tile_kn, [N / packed_tile, rows, packed_tile]), read the same way."""
     vecs = next(v for v in TILE_VECTORS if n % (v * LANES) == 0)
     tile = vecs * LANES
     codes, bits, group = spec.codes, spec.bits, spec.group
@@ -103,11 +119,19 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
     vf = f"float32x{LANES}"
     m = tirx.Var("seq_len", "int64")
     code_shape = (i64(k), i64(n)) if bits == 8 else (i64(word_rows), i64(n))
+    scale_shape = (i64(groups), i64(n))
     if q8_tile:
         code_shape = (i64(n // q8_tile), i64(k // 2), i64(2 * q8_tile))
+    if packed_tile:
+        code_shape, scale_shape = ((i64(n // packed_tile), i64(word_rows), i64(packed_tile)),
+                                   (i64(n // packed_tile), i64(groups), i64(packed_tile)))
 
     def weight(w, s, kk, col):
         """Dequantized weight [kk, col] (scalar; vectorized over col by the caller's loop)."""
+        if packed_tile:
+            code = T.Cast("float32", T.bitwise_and(T.shift_right(
+                w[tiled_kn_index(col, kk // codes, packed_tile)], T.Cast("uint32", kk % codes * bits)), T.uint32(mask)))
+            return (code - T.float32(spec.offset)) * T.Cast("float32", s[tiled_kn_index(col, kk // group, packed_tile)])
         if q8_tile:
             code = T.Cast("float32", w[tiled_q8_index(col, kk, q8_tile)])
         elif bits == 8:
@@ -133,7 +157,7 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
                 out[0, first + r, T.Ramp(col + j * LANES, 1, LANES)] = acc[r * vecs + j]
 
     @T.prim_func(private=True)
-    def matmul(w: T.Buffer(code_shape, spec.code_dtype), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+    def matmul(w: T.Buffer(code_shape, spec.code_dtype), s: T.Buffer(scale_shape, scale_dtype),
                x: T.Buffer((i64(1), m, i64(k)), "float32"), out: T.Buffer((i64(1), m, i64(n)), "float32")):
         T.func_attr({"tirx.noalias": True})
         for task in T.parallel(n // tile):
@@ -157,6 +181,18 @@ def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
+    if fmt in TILED_PACKED:
+        base = TILED_PACKED[fmt]
+        tile = int(func.params[order.index("codes")].shape[2])
+        if byte_dot:
+            kernel = packed_kn_matmul_vnni(FORMATS[base], n, k, scale_dtype, packed_tile=tile)
+        elif int16_dot:
+            kernel = packed_kn_matmul_int16(FORMATS[base], n, k, scale_dtype, packed_tile=tile,
+                                            vectors=(tile // LANES,))
+        else:
+            kernel = packed_kn_matmul(FORMATS[base], n, k, scale_dtype, packed_tile=tile)
+        return substitute(func, kernel, order,
+                          "dequant-matmul-ternary" if base in tern.PACKINGS else "dequant-matmul")
     if fmt == TILED_Q8:
         tile = q8_tile_of(tuple(int(d) for d in func.params[order.index("codes")].shape), n, k)
         if tile % LANES:
@@ -182,7 +218,8 @@ VNNI_ROWS = 4      # prompt rows per register tile of the byte kernel (x 2 vecto
 WIDE_LANES = 16
 
 
-def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = VNNI_ROWS):
+def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = VNNI_ROWS,
+                          packed_tile: int = 0):
     """The q4 / t2 prefill with byte dot products (AVX-512 VNNI), x at the int16 kernels' precision as in
     `cpu_gemv.packed_kn_gemv_bytes`: the fp32 kernel above is FMA-bound (8 multiply-adds per instruction);
     `vpdpbusd` does 32, two per 4 multiply-adds of a lane with x in two bytes (hi, lo).
@@ -193,7 +230,10 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
     the 4 bytes of a uint32 — then runs the prompt's rows `rows` at a time over them: per quad of k, one
     `vpdpbusd` per row, vector and byte half; at the end of each group the int32 sums become fp32 (exact,
     as in the decode kernel) and out += s * d * (step * (256 hi + lo) - offset * sum(q)) (step 2 for b1's
-    sign bits, 1 otherwise)."""
+    sign bits, 1 otherwise). `packed_tile` (q4 / t2 codes and scales stored tiled, quantize.tile_kn): the
+    task's codes unpacked and its scales copied 8 columns at a time from their tiles (a task's 16 or 32
+    columns may span two). On an AVX-512 VNNI EPYC, 2 threads, 128 rows, q4 shapes of SmolLM2 / the 0.49B
+    Qwen3: 1.0-1.02x this kernel over KN codes, where the int16 kernel over tiled codes was 0.92-0.99x."""
     from .cpu_gemv import VNNI_Q_MAX, quad_bytes, quad_low_bytes
 
     lanes = WIDE_LANES if n % WIDE_LANES == 0 else LANES
@@ -208,6 +248,11 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
     vf, vi, vb = f"float32x{lanes}", f"int32x{lanes}", f"int8x{4 * lanes}"
     dot = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
     m = tirx.Var("seq_len", "int64")
+
+    def scales(s, g, col, j):
+        """Group g's scales of vector j of the task's columns from col (KN rows, or the task's copy `ss` of
+        its tiled scales, passed as `s`, indexed from 0)."""
+        return s[g, T.Ramp((0 if packed_tile else col) + j * lanes, 1, lanes)]
 
     @T.macro
     def row_block(xq, d, off, s, out, wq, iacc, facc, first, count, col):
@@ -227,7 +272,7 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
                                 T.reinterpret(vb, T.Broadcast(xq[first + r, h, g * group // 4 + qd], lanes)))
             for r in T.unroll(count):
                 for j in T.unroll(vecs):
-                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, s[g, T.Ramp(col + j * lanes, 1, lanes)]) * (
+                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, scales(s, g, col, j)) * (
                         T.Broadcast(d[first + r, g], lanes) * T.Cast(
                             vf, (iacc[r * 2 * vecs + j] * T.Broadcast(256, lanes) + iacc[(r * 2 + 1) * vecs + j])
                             * T.Broadcast(spec.step, lanes) - T.Broadcast(off[first + r, g], lanes)))
@@ -235,8 +280,15 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
             for j in T.unroll(vecs):
                 out[0, first + r, T.Ramp(col + j * lanes, 1, lanes)] = facc[r * vecs + j]
 
+    code_shape, scale_shape = (i64(words), i64(n)), (i64(groups), i64(n))
+    tiled = packed_tile > 0
+    if tiled:
+        assert packed_tile % LANES == 0 and n % packed_tile == 0, (n, packed_tile)
+        code_shape = (i64(n // packed_tile), i64(words), i64(packed_tile))
+        scale_shape = (i64(n // packed_tile), i64(groups), i64(packed_tile))
+
     @T.prim_func(private=True)
-    def matmul(w: T.Buffer((i64(words), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+    def matmul(w: T.Buffer(code_shape, "uint32"), s: T.Buffer(scale_shape, scale_dtype),
                x: T.Buffer((i64(1), m, i64(k)), "float32"), out: T.Buffer((i64(1), m, i64(n)), "float32")):
         T.func_attr({"tirx.noalias": True})
         xq = T.alloc_buffer((m, 2, quads_n), "int32")     # per row: [hi | lo] bytes of x per word and shift
@@ -255,8 +307,18 @@ def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str =
             iacc = T.alloc_buffer((2 * rows * vecs,), vi)
             facc = T.alloc_buffer((rows * vecs,), vf)
             col: T.let[T.int64] = T.Cast("int64", task) * tile
-            _unpack_codes(wq, w, col, words, shifts, bits, mask, tile)
-            _row_tiles(row_block, (xq, d, off, s, out, wq, iacc, facc), m, rows, col)
+            if tiled:   # static
+                ss = T.alloc_buffer((groups, tile), scale_dtype)   # the task's scales, from their tiles
+                _unpack_tiled_codes(wq, w, col, words, shifts, bits, mask, tile, packed_tile)
+                for g in range(groups):
+                    for v in range(tile // LANES):
+                        for j in T.vectorized(LANES):
+                            ss[g, v * LANES + j] = s[(col + v * LANES) // packed_tile, g,
+                                                     (col + v * LANES) % packed_tile + j]
+                _row_tiles(row_block, (xq, d, off, ss, out, wq, iacc, facc), m, rows, col)
+            else:
+                _unpack_codes(wq, w, col, words, shifts, bits, mask, tile)
+                _row_tiles(row_block, (xq, d, off, s, out, wq, iacc, facc), m, rows, col)
 
     return matmul
 
@@ -266,7 +328,7 @@ INT16_VECTORS = (2, 1)
 
 
 def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = INT16_ROWS,
-                           vectors: tuple[int, ...] = INT16_VECTORS, q8_tile: int = 0):
+                           vectors: tuple[int, ...] = INT16_VECTORS, q8_tile: int = 0, packed_tile: int = 0):
     """The q4 / t2 prefill with int16 dot products (x86 AVX2 `pmaddwd`, no VNNI), x at the int16 decode
     kernel's precision (`cpu_gemv.packed_kn_gemv_int16`): the fp32 kernel above does 8 multiply-adds per
     FMA; `pmaddwd` does 16 (two int16 products per int32 lane) and Zen 3 issues two a cycle.
@@ -282,11 +344,15 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
     `q8_tile` (q8 codes stored tiled, quantize.tile_q8: [N / 16, K / 2, 32]): a task owns one code tile, whose
     row pairs already hold each column's codes for rows 2p and 2p + 1 side by side — sign-extended to int16,
     they are the lanes' pairs as they are (x's pairs are then q[2p], q[2p + 1], no offset). On Zen 3, 2
-    threads, 128 rows: 1.1-1.4x the fp32 kernel over KN q8 codes on SmolLM2's and the 0.49B Qwen3's shapes."""
+    threads, 128 rows: 1.1-1.4x the fp32 kernel over KN q8 codes on SmolLM2's and the 0.49B Qwen3's shapes.
+    `packed_tile` (q4 / t2 codes and scales stored tiled, quantize.tile_kn): the same kernel, codes unpacked and scales
+    read 8 columns at a time from their tile (`_unpack_tiled_codes`)."""
     assert spec.step == 1, spec
     if q8_tile:
         assert spec.bits == 8 and q8_tile == 2 * LANES, (spec, q8_tile)
         vectors = (2,)
+    if packed_tile:
+        assert spec.bits in (4, 2) and packed_tile % LANES == 0 and n % packed_tile == 0, (spec, packed_tile)
     vecs = next(v for v in vectors if n % (v * LANES) == 0)
     tile = vecs * LANES
     bits, group, codes = spec.bits, spec.group, spec.codes if not q8_tile else 2
@@ -297,6 +363,12 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
     i64 = T.int64
     vf, vi, vh = f"float32x{LANES}", f"int32x{LANES}", f"int16x{2 * LANES}"
     m = tirx.Var("seq_len", "int64")
+
+    def scales(s, g, col):
+        """The 8 scales of group g from column col (KN rows, or inside col's tile when tiled)."""
+        if packed_tile:
+            return s[col // packed_tile, g, T.Ramp(col % packed_tile, 1, LANES)]
+        return s[g, T.Ramp(col, 1, LANES)]
 
     @T.macro
     def row_block(xp, d, off, s, out, wq, iacc, facc, first, count, col):
@@ -315,7 +387,7 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
                             T.reinterpret(vh, T.Broadcast(xp[first + r, g * group // 2 + p], LANES)))
             for r in T.unroll(count):
                 for j in T.unroll(vecs):
-                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, s[g, T.Ramp(col + j * LANES, 1, LANES)]) * (
+                    facc[r * vecs + j] = facc[r * vecs + j] + T.Cast(vf, scales(s, g, col + j * LANES)) * (
                         T.Broadcast(d[first + r, g], LANES) * T.Cast(
                             vf, iacc[r * vecs + j] - T.Broadcast(off[first + r, g], LANES)))
         for r in T.unroll(count):
@@ -325,9 +397,13 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
     tiled = q8_tile > 0
     code_shape, code_dtype = (((i64(n // q8_tile), i64(words), i64(2 * q8_tile)), "int8") if tiled
                               else ((i64(words), i64(n)), "uint32"))
+    scale_shape = (i64(groups), i64(n))
+    tiled_packed = packed_tile > 0
+    if packed_tile:
+        code_shape, scale_shape = (i64(n // packed_tile), i64(words), i64(packed_tile)), (i64(n // packed_tile), i64(groups), i64(packed_tile))
 
     @T.prim_func(private=True)
-    def matmul(w: T.Buffer(code_shape, code_dtype), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
+    def matmul(w: T.Buffer(code_shape, code_dtype), s: T.Buffer(scale_shape, scale_dtype),
                x: T.Buffer((i64(1), m, i64(k)), "float32"), out: T.Buffer((i64(1), m, i64(n)), "float32")):
         T.func_attr({"tirx.noalias": True})
         xp = T.alloc_buffer((m, pairs_n), "int32")        # per row: int16 q[C w + c] | q[C w + c + C/2] << 16
@@ -349,6 +425,8 @@ def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str 
                 for p in range(words):
                     wq[p, T.Ramp(0, 1, tile)] = T.reinterpret(f"uint32x{tile}", T.Cast(
                         f"int16x{2 * tile}", w[task, p, T.Ramp(0, 1, 2 * tile)]))
+            elif tiled_packed:   # static
+                _unpack_tiled_codes(wq, w, col, words, half, bits, mask, tile, packed_tile)
             else:
                 _unpack_codes(wq, w, col, words, half, bits, mask, tile)
             _row_tiles(row_block, (xp, d, off, s, out, wq, iacc, facc), m, rows, col)

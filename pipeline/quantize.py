@@ -119,8 +119,29 @@ def _in_layout(codes: np.ndarray, scale16: np.ndarray, layout: str) -> tuple[np.
     return codes, scale16
 
 
+def tile_kn(rows: np.ndarray, tile: int) -> np.ndarray:
+    """KN packed codes (q4 [K / 8, N], t2 [K / 16, N]) or their scales -> [N / tile, rows, tile]: element
+    [t, r, j] is [r, t tile + j]. host-cpu's q4 / t2 storage (targets' `q4_tile`, `t2_tile`): each tile of
+    `tile` output columns, codes and scales alike, is one contiguous run over K, which the decode GEMV streams
+    (cpu_gemv.packed_tiled_gemv_int16); over KN rows a task walked a group's code rows and its scale row side
+    by side, pieces of 96 bytes that the prefetchers followed poorly on narrow layers."""
+    r, n = rows.shape
+    if n % tile:
+        raise ValueError(f"cannot tile KN rows [{r}, {n}] by {tile} columns")
+    return np.ascontiguousarray(rows.reshape(r, n // tile, tile).transpose(1, 0, 2))
+
+
+def untile_kn(tiled: np.ndarray) -> np.ndarray:
+    """Inverse of `tile_kn`: -> KN rows [rows, N]."""
+    tiles, r, tile = tiled.shape
+    return np.ascontiguousarray(tiled.transpose(1, 0, 2)).reshape(r, tiles * tile)
+
+
 def dequantize_q4(packed: np.ndarray, scale: np.ndarray, layout: str = "NK") -> np.ndarray:
-    """Inverse of `quantize_q4`: -> [N, K] float32 (the reference for numerics tests)."""
+    """Inverse of `quantize_q4`: -> [N, K] float32 (the reference for numerics tests; KN codes and scales
+    may be tiled: `tile_kn`)."""
+    if packed.ndim == 3:
+        packed, scale = untile_kn(packed), untile_kn(scale)
     if layout == "KN":
         packed, scale = packed.T, scale.T
     n = packed.shape[0]

@@ -105,7 +105,9 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
                            layout=layout, formats=dict(quant.formats), rotation=quant.rotation,
                            ternary_source=quant.ternary_source, kv_dtype=quant.kv_cache_dtype(target),
                            max_buffer_bytes=int(limit) if limit else None,
-                           q8_tile=target.q8_tile if layout == "KN" else 0)
+                           q8_tile=target.q8_tile if layout == "KN" else 0,
+                           q4_tile=target.q4_tile if layout == "KN" else 0,
+                           t2_tile=target.t2_tile if layout == "KN" else 0)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
     if hasattr(module, "rope_settings"):      # for the CPU RoPE kernel (cpu_rope.py)
@@ -260,6 +262,10 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     tiles = {int(p.attrs["q8_tile"]) for _, p in defined.params if p.attrs and p.attrs.get("q8_tile")}
     if tiles:   # KN q8 codes stored tiled (quantize.tile_q8): [N / q8_tile, K / 2, 2 q8_tile]
         meta["q8_tile"] = max(tiles)
+    for tile_field in ("q4_tile", "t2_tile"):   # KN q4 / t2 codes and scales stored tiled (quantize.tile_kn):
+        tiles = {int(p.attrs[tile_field]) for _, p in defined.params if p.attrs and p.attrs.get(tile_field)}
+        if tiles:                               # [N / t, rows, t], t per tensor at most this
+            meta[tile_field] = max(tiles)
     tvm_target = target.tvm()
     forced = forcing.reasons(target, force_cpu)
     verify = _verify_mode(target, verify, defined)

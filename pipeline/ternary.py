@@ -215,7 +215,12 @@ def quantize_ternary(w: np.ndarray, fmt: str = "t2", layout: str = "NK") -> tupl
 
 def dequantize_ternary(packed: np.ndarray, scale: np.ndarray, fmt: str, k: int,
                        layout: str = "NK") -> np.ndarray:
-    """Inverse of `quantize_ternary`: -> [N, k] float32 (the reference for numerics tests)."""
+    """Inverse of `quantize_ternary`: -> [N, k] float32 (the reference for numerics tests; KN t2 codes and
+    scales may be tiled: quantize.tile_kn)."""
+    if packed.ndim == 3:
+        from .quantize import untile_kn
+
+        packed, scale = untile_kn(packed), untile_kn(scale)
     if layout == "KN":
         packed, scale = packed.T, scale.T
     trits = unpack(packed, fmt, k).astype(np.float32)

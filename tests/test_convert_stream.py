@@ -11,7 +11,7 @@ import torch
 
 from pipeline.convert import QUANT_SUFFIXES, _load_source, iter_converted
 from pipeline.load import open_checkpoint
-from pipeline.quantize import quantize_q4
+from pipeline.quantize import quantize_q4, tile_kn
 
 
 def _whole_tensor_reference(ckpt, params, layout, tied):
@@ -25,6 +25,9 @@ def _whole_tensor_reference(ckpt, params, layout, tied):
         if name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
             packed, scale = quantize_q4(src, "NK" if base.endswith("embed_tokens") else layout)
+            tile = int((getattr(p, "attrs", None) or {}).get("q4_tile", 0))   # host-cpu's tiled KN q4
+            if tile:
+                packed, scale = tile_kn(packed, tile), tile_kn(scale, tile)
             is_weight = name.endswith(".q_weight")
             pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed
             yield name, packed if is_weight else scale

@@ -535,6 +535,133 @@ def test_tiled_q8_codes_need_whole_tiles():
     assert q8_tile_of((96, 96), 96, 96) == 0
 
 
+def _packed_tiled_func(fmt: str, n: int, k: int, tile: int, rows=1):
+    """x [1, rows, k] times q4 / t2 codes and scales stored tiled (quantize.tile_kn, host-cpu's storage), as
+    layers' TE."""
+    from pipeline import ternary as tern
+    from pipeline.models.layers import dequantize_ternary_te
+
+    x = te.placeholder((1, rows, k), "float32", name="x")
+    words, groups = (k // 8, k // 32) if fmt == "q4" else (tern.packed_len("t2", k), tern.n_groups(k))
+    w = te.placeholder((n // tile, words, tile), "uint32", name="w")
+    s = te.placeholder((n // tile, groups, tile), "float16", name="s")
+    if fmt == "q4":
+        wt = dequantize_te(w, s, "KN", k, n, "float32")
+    else:
+        wt = dequantize_ternary_te(w, s, "t2", "KN", k, n, "float32")
+    r = te.reduce_axis((0, k), name="k")
+    out = te.compute((1, rows, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
+    return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
+
+
+def _packed_tiled_inputs(fmt: str, n: int, k: int, tile: int, rows: int, seed: int = 0):
+    """Tiled codes / scales and x, and numpy's product on the plain KN codes (quantize.dequantize_q4 /
+    ternary.dequantize_ternary)."""
+    from pipeline import ternary as tern
+    from pipeline.quantize import dequantize_q4, tile_kn
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, rows, k)).astype("float32")
+    if fmt == "q4":
+        codes = rng.integers(0, 2**32, (k // 8, n), dtype=np.uint64).astype(np.uint32)
+        scale = (rng.standard_normal((k // 32, n)) * 0.05).astype("float16")
+        w = dequantize_q4(codes, scale, "KN")
+    else:
+        codes = np.ascontiguousarray(tern.pack(rng.integers(-1, 2, (n, k)).astype(np.int8), "t2", k).T)
+        scale = (rng.standard_normal((tern.n_groups(k), n)) * 0.05).astype("float16")
+        w = tern.dequantize_ternary(codes, scale, "t2", k, "KN")
+        assert np.array_equal(tern.dequantize_ternary(tile_kn(codes, tile), tile_kn(scale, tile), "t2", k, "KN"), w)
+    return [tile_kn(codes, tile), tile_kn(scale, tile), x], x[0] @ w.T
+
+
+TILED_CASES = [("q4", 576, 96, 24), ("q4", 96, 64, 16), ("q4", 48, 576, 8), ("q4", 48, 64, 24),   # 24 / 2 / 6 / 2 tiles
+               ("t2", 72, 576, 24), ("t2", 96, 256, 16), ("t2", 48, 64, 8)]   # t2 K = 576: a last group of 64
+
+
+@pytest.mark.parametrize("fmt,n,k,tile", TILED_CASES)
+@pytest.mark.parametrize("kind", ["int16", "fp32"])
+def test_decode_gemv_over_tiled_codes(fmt, n, k, tile, kind):
+    """host-cpu's q4 and t2 codes and scales are tiled (up to 24 columns, each tile contiguous over K): the
+    TE reads them so (against numpy on the plain KN codes), and the decode GEMV is the tiled kernel — pmaddwd
+    on AVX2 (x in int16 per group: within 2e-4 of the largest output, measured ~2e-5), fp32 elsewhere
+    (within fp32 summation order); either way one parallel task per tile, not the KN kernels' split K."""
+    if kind == "int16" and not _has_avx2(HOST):
+        pytest.skip("the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+    func = _packed_tiled_func(fmt, n, k, tile)
+    args, want = _packed_tiled_inputs(fmt, n, k, tile, 1)
+    target = AVX2 if kind == "int16" else tvm.target.Target({"kind": "llvm"})
+    np.testing.assert_allclose(_call(func, args, 1, n, target), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    sch = CPUInlineParallel().apply(func, target, False)
+    text = sch.mod["main"].script()
+    assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16")
+    assert f"T.parallel({n // tile})" in text
+    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == ("dequant-gemv" if fmt == "q4" else "dequant-gemv-ternary")
+    tol = 2e-4 if kind == "int16" else 1e-5
+    np.testing.assert_allclose(_call(sch.mod["main"], args, 1, n, target), want, rtol=0, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+def test_tiled_q4_gemv_group_sums_are_exact_at_the_extremes():
+    """Every code 15 (or 0) against x at one value: the largest int32 group sums the kernel forms (the high
+    codes' sum 16 times theirs), exact, so the result equals (code - 7) * 0.5 * K to fp32 rounding."""
+    n, k, tile = 48, 256, 24
+    sch = CPUInlineParallel().apply(_packed_tiled_func("q4", n, k, tile), AVX2, False)
+    for code in (15, 0):
+        args = [np.full((n // tile, k // 8, tile), code * 0x11111111, np.uint32),
+                np.ones((n // tile, k // 32, tile), "float16"), np.full((1, 1, k), 0.5, "float32")]
+        np.testing.assert_allclose(_call(sch.mod["main"], args, 1, n, AVX2), np.full((1, n), (code - 7) * 0.5 * k),
+                                   rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int16", "fp32", "vnni"])
+@pytest.mark.parametrize("fmt,n,k,tile,rows", [("q4", 72, 96, 24, 7), ("q4", 64, 576, 16, 4), ("q4", 48, 64, 8, 5),
+                                               ("q4", 96, 64, 24, 4), ("t2", 48, 576, 24, 5)])   # 7: 4 + 3 rows
+def test_prefill_matmul_over_tiled_codes(kind, fmt, n, k, tile, rows):
+    """A prompt's rows times tiled q4 / t2 codes: on AVX2 the pmaddwd prefill with one code tile per task
+    (its columns unpacked once, then every row; x in int16 per group: within 2e-4 of the largest output),
+    with AVX-512 VNNI the vpdpbusd prefill (16 / 32 columns a task, which may span two code tiles: codes and
+    scales copied 8 columns at a time), elsewhere the fp32 kernel reading the tiles by index (within fp32
+    summation order); against numpy on the plain KN codes."""
+    if kind == "int16" and not _has_avx2(HOST):
+        pytest.skip("the int16 dot-product prefill needs x86 AVX2; this CPU has none")
+    if kind == "vnni" and not _has_vnni(HOST):
+        pytest.skip("the byte dot-product prefill needs AVX-512 VNNI; this CPU has none")
+    m = tirx.Var("seq_len", "int64")
+    func = _packed_tiled_func(fmt, n, k, tile, rows=m)
+    target = {"int16": AVX2, "vnni": HOST}.get(kind, tvm.target.Target({"kind": "llvm"}))
+    sch = CPUInlineParallel().apply(func, target, False)
+    text = sch.mod["main"].script()
+    assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16")
+    assert ("vpdpbusd" in text) == (kind == "vnni")
+    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == ("dequant-matmul" if fmt == "q4" else "dequant-matmul-ternary")
+    args, want = _packed_tiled_inputs(fmt, n, k, tile, rows, seed=3)
+    tol = 1e-5 if kind == "fp32" else 2e-4
+    np.testing.assert_allclose(_call(sch.mod["main"], args, rows, n, target), want, rtol=0,
+                               atol=tol * np.abs(want).max())
+
+
+def test_tiled_q4_codes_need_whole_tiles_and_tiled_scales():
+    """Only codes and scales that are exactly tile_kn's shapes of the [K, N] weight, in at least two tiles,
+    are taken as tiled; anything else keeps the schedules (or the KN kernels for plain KN codes)."""
+    from pipeline.cpu_gemv import TILED_Q4, TILED_T2, match_packed_kn_gemv
+
+    assert match_packed_kn_gemv(_packed_tiled_func("q4", 96, 64, 24))[0] == TILED_Q4
+    assert match_packed_kn_gemv(_packed_tiled_func("t2", 96, 576, 24))[0] == TILED_T2
+
+    def gemv(w_shape, s_shape):
+        x = te.placeholder((1, 1, 64), "float32", name="x")
+        w = te.placeholder(w_shape, "uint32", name="w")
+        s = te.placeholder(s_shape, "float16", name="s")
+        n = w_shape[0] * w_shape[2]
+        wt = dequantize_te(w, s, "KN", 64, n, "float32")
+        r = te.reduce_axis((0, 64), name="k")
+        out = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, r] * wt[r, j], axis=r), name="matmul")
+        return te.create_prim_func([w, s, x, out])
+
+    for w_shape, s_shape in [((4, 8, 24), (2, 4, 48)), ((4, 7, 24), (4, 2, 24)), ((1, 8, 24), (1, 2, 24))]:
+        assert match_packed_kn_gemv(gemv(w_shape, s_shape)) is None, (w_shape, s_shape)
+
+
 @pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("n,k", [(192, 96), (96, 576), (64, 64)])
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -123,3 +123,46 @@ def test_kv_cache_precision_per_scheme_and_target(tmp_path):
     with pytest.raises(ConfigError, match="kv_cache") as err:
         QuantSpec(name="x", weight_format="q4", kv_cache="int4", path=tmp_path / "x.yaml")
     assert "x.yaml" in str(err.value)
+
+
+def test_q4_tiles_round_trip():
+    """host-cpu's tiled q4 storage (quantize.tile_kn): element [t, r, j] of the codes (and of the scales) is
+    KN [r, tile t + j]; untiling gives them back, dequantize_q4 reads either form alike, and rows that do not
+    tile refuse."""
+    from pipeline.quantize import tile_kn, untile_kn
+
+    w = np.random.default_rng(2).normal(0, 0.05, (48, 64)).astype(np.float32)   # N = 48, K = 64
+    codes, scale = quantize_q4(w, "KN")                                        # [8, 48], [2, 48]
+    tiled, tiled_scale = tile_kn(codes, 24), tile_kn(scale, 24)
+    assert tiled.shape == (2, 8, 24) and tiled_scale.shape == (2, 2, 24)
+    assert tiled[1, 5, 7] == codes[5, 31] and tiled_scale[1, 1, 23] == scale[1, 47]
+    assert np.array_equal(untile_kn(tiled), codes) and np.array_equal(untile_kn(tiled_scale), scale)
+    assert np.array_equal(dequantize_q4(tiled, tiled_scale, "KN"), dequantize_q4(codes, scale, "KN"))
+    with pytest.raises(ValueError, match="cannot tile"):
+        tile_kn(codes[:, :40], 24)
+
+
+def test_tile_width_is_the_widest_that_splits_the_outputs():
+    """A weight's tile: the widest multiple of 8 up to the target's q4_tile that divides its outputs into at
+    least two tiles (the kernels' parallel loop), else plain KN (0)."""
+    from pipeline.models.layers import tile_width
+
+    assert [tile_width(n, 24) for n in (576, 960, 49152, 1024, 24, 16, 8, 20)] == [24, 24, 24, 16, 8, 8, 0, 0]
+    assert tile_width(576, 16) == 16 and tile_width(576, 0) == 0
+
+
+@pytest.mark.parametrize("field", ["q4_tile", "t2_tile"])
+def test_target_packed_tiles_are_checked(tmp_path, monkeypatch, field):
+    """A target's q4_tile / t2_tile is 0, 8, 16 or 24 (the kernels hold a tile's sums in at most 3 vectors);
+    anything else is a one-line config error naming the file."""
+    from pipeline import config
+    from pipeline.errors import ConfigError
+
+    assert getattr(config.load_target("host-cpu"), field) == 24
+    assert getattr(config.load_target("android-adreno"), field) == 0
+    for value in (12, 32):
+        bad = tmp_path / "cpu-bad-tile.yaml"
+        bad.write_text(config.TARGETS["host-cpu"].read_text().replace(f"{field}: 24", f"{field}: {value}"))
+        monkeypatch.setitem(config.TARGETS, "cpu-bad-tile", bad)
+        with pytest.raises(ConfigError, match=rf"cpu-bad-tile.yaml: {field} must be 0, 8, 16 or 24"):
+            config.load_target("cpu-bad-tile")

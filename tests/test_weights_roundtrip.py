@@ -32,7 +32,7 @@ def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout, calibrated):
 
     from pipeline.config import load_model, load_quant, load_target
     from pipeline.progress import Reporter
-    from pipeline.quantize import quantize_q4
+    from pipeline.quantize import quantize_q4, tile_kn
     from pipeline.stages import define, load, quantize
     from pipeline.tensor_cache import read_tensor_cache
 
@@ -56,7 +56,11 @@ def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout, calibrated):
         return
 
     packed, scale = quantize_q4(qkv, layout)
-    np.testing.assert_array_equal(params["model.layers.1.self_attn.qkv_proj.q_weight"].numpy(), packed)
+    got = params["model.layers.1.self_attn.qkv_proj.q_weight"].numpy()
+    if layout == "KN":   # host-cpu tiles KN q4 codes and scales (target q4_tile; quantize.tile_kn)
+        assert got.shape == (qkv.shape[0] // 16, qkv.shape[1] // 8, 16)
+        packed, scale = tile_kn(packed, 16), tile_kn(scale, 16)
+    np.testing.assert_array_equal(got, packed)
     np.testing.assert_array_equal(params["model.layers.1.self_attn.qkv_proj.q_scale"].numpy(), scale)
     embed_packed, _ = quantize_q4(state["model.embed_tokens.weight"], "NK")   # embeddings stay row-major
     np.testing.assert_array_equal(params["model.embed_tokens.q_weight"].numpy(), embed_packed)

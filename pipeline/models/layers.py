@@ -23,15 +23,36 @@ CODES_PER_WORD = 8  # int4 codes per uint32
 ZERO = 7            # value = (code - 7) * scale, code in [0, 15] (quantize.py chooses the signed scale)
 
 
+def tiled_kn_index(col, row, tile: int) -> tuple:
+    """Where KN q4 / t2 row `row` (a code word row or a scale row) of output column `col` sits in the tiled layout
+    (quantize.tile_kn: [N / tile, rows, tile]) — for TE and TIR expressions alike."""
+    return col // tile, row, col % tile
+
+
+def tile_width(n: int, widest: int) -> int:
+    """The column tile of a KN q4 / t2 weight with `n` outputs under a target's `q4_tile` / `t2_tile`: the widest multiple of 8
+    (a vector of fp32 lanes) up to `widest` that divides n into at least two tiles (the kernels' parallel
+    loop over tiles; one iteration is dropped by TVM and its vector buffers then fail a storage rewrite);
+    0 (plain KN) when none does."""
+    return next((t for t in range(widest - widest % 8, 0, -8) if n % t == 0 and n // t >= 2), 0)
+
+
 def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
-    """TE for W^T[k, n] from packed int4 codes + fp16 scales (NK: [N, K/8], KN: [K/8, N])."""
+    """TE for W^T[k, n] from packed int4 codes + fp16 scales (NK: [N, K/8], KN: [K/8, N] or both tiled,
+    quantize.tile_kn)."""
+    tiled = len(packed.shape) == 3
 
     def code(kk, nn_):
-        word = packed[nn_, kk // CODES_PER_WORD] if layout == "NK" else packed[kk // CODES_PER_WORD, nn_]
+        if tiled:
+            word = packed[tiled_kn_index(nn_, kk // CODES_PER_WORD, int(packed.shape[2]))]
+        else:
+            word = packed[nn_, kk // CODES_PER_WORD] if layout == "NK" else packed[kk // CODES_PER_WORD, nn_]
         shift = (kk % CODES_PER_WORD * 4).astype("uint32")
         return ((word >> shift) & tirx.const(0xF, "uint32")).astype(dtype)
 
     def scl(kk, nn_):
+        if tiled:
+            return scale[tiled_kn_index(nn_, kk // GROUP, int(scale.shape[2]))].astype(dtype)
         s = scale[nn_, kk // GROUP] if layout == "NK" else scale[kk // GROUP, nn_]
         return s.astype(dtype)
 
@@ -68,6 +89,8 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
     4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/ternary.py); b1: 32 sign bits per uint32 (binary,
     code 2 bit). Pure index arithmetic on the packed buffer, so the fused kernel reads packed codes only."""
     def at(buf, kk, nn_):
+        if len(buf.shape) == 3:          # t2 KN tiled (quantize.tile_kn): [N / tile, rows, tile]
+            return buf[tiled_kn_index(nn_, kk, int(buf.shape[2]))]
         return buf[nn_, kk] if layout == "NK" else buf[kk, nn_]
 
     def code(kk, nn_):
@@ -147,11 +170,13 @@ class FloatLinear(nn.Module):
 
 
 def q_params(rows: int, k: int, code_dtype: str, scale_dtype: str, layout: str,
-             q8_tile: int = 0) -> tuple[nn.Parameter, nn.Parameter]:
+             q8_tile: int = 0, q4_tile: int = 0) -> tuple[nn.Parameter, nn.Parameter]:
     """Codes (uint32: 8 int4 per word; int8: one each) and one scale per GROUP along K, for `rows` outputs:
     NK [rows, K / per_word] + [rows, K / GROUP], or KN transposed. `q8_tile`: KN int8 codes tiled by that
     many columns when it divides `rows` ([rows / q8_tile, K / 2, 2 q8_tile], quantize.tile_q8; both
-    parameters then carry attrs q8_tile, for the converter)."""
+    parameters then carry attrs q8_tile, for the converter). `q4_tile`: KN int4 codes and their scales tiled
+    by the widest multiple of 8 up to it that divides `rows` (`tile_width`; [rows / t, K / 8, t] and
+    [rows / t, K / GROUP, t], quantize.tile_kn; attrs q4_tile = t); plain KN when none does."""
     per_word = CODES_PER_WORD if code_dtype == "uint32" else 1
     if layout == "NK":
         return nn.Parameter((rows, k // per_word), code_dtype), nn.Parameter((rows, k // GROUP), scale_dtype)
@@ -161,6 +186,13 @@ def q_params(rows: int, k: int, code_dtype: str, scale_dtype: str, layout: str,
         for p in (codes, scale):
             p.attrs["q8_tile"] = q8_tile
         return codes, scale
+    tile = tile_width(rows, q4_tile) if q4_tile and code_dtype == "uint32" else 0
+    if tile:
+        codes, scale = (nn.Parameter((rows // tile, k // per_word, tile), code_dtype),
+                        nn.Parameter((rows // tile, k // GROUP, tile), scale_dtype))
+        for p in (codes, scale):
+            p.attrs["q4_tile"] = tile
+        return codes, scale
     return nn.Parameter((k // per_word, rows), code_dtype), nn.Parameter((k // GROUP, rows), scale_dtype)
 
 
@@ -168,12 +200,12 @@ class Q4Linear(nn.Module):
     """Group-32 symmetric int4 weights with fp16 scales (`bits=8`: int8 codes); `layout` is NK or KN."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str,
-                 scale_dtype: str = "float16", bits: int = 4, rotate: int = 1, q8_tile: int = 0):
+                 scale_dtype: str = "float16", bits: int = 4, rotate: int = 1, q8_tile: int = 0, q4_tile: int = 0):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
         self.rotate = rotate
         k, n = in_features, out_features
         self.q_weight, self.q_scale = q_params(n, k, "uint32" if bits == 4 else "int8", scale_dtype, layout,
-                                               q8_tile)
+                                               q8_tile, q4_tile)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -187,13 +219,21 @@ class TernaryLinear(nn.Module):
     """Ternary weights {-s, 0, +s}, one scale per 128 along K, packed `fmt` t2 (2 bits) or t3 (base 3)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str, fmt: str,
-                 scale_dtype: str = "float16", rotate: int = 1):
+                 scale_dtype: str = "float16", rotate: int = 1, t2_tile: int = 0):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
         self.fmt, self.rotate = fmt, rotate
         k, n = in_features, out_features
         codes, groups = tern.packed_len(fmt, k), tern.n_groups(k)
-        self.q_weight = nn.Parameter((n, codes) if layout == "NK" else (codes, n), tern.code_dtype(fmt))
-        self.q_scale = nn.Parameter((n, groups) if layout == "NK" else (groups, n), scale_dtype)
+        # `t2_tile` (the target's): KN t2 codes and scales tiled like q4 (quantize.tile_kn, `tile_width`)
+        tile = tile_width(n, t2_tile) if t2_tile and fmt == "t2" and layout == "KN" and k % 16 == 0 else 0
+        if tile:
+            self.q_weight = nn.Parameter((n // tile, codes, tile), tern.code_dtype(fmt))
+            self.q_scale = nn.Parameter((n // tile, groups, tile), scale_dtype)
+            for p in (self.q_weight, self.q_scale):
+                p.attrs["t2_tile"] = tile
+        else:
+            self.q_weight = nn.Parameter((n, codes) if layout == "NK" else (codes, n), tern.code_dtype(fmt))
+            self.q_scale = nn.Parameter((n, groups) if layout == "NK" else (groups, n), scale_dtype)
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -223,7 +263,7 @@ class Q4Embedding(nn.Module):
     KN columns costs hidden/8 strided words per token."""
 
     def __init__(self, num: int, dim: int, dtype: str, scale_dtype: str = "float16", bits: int = 4,
-                 fmt: str | None = None, layout: str = "NK", q8_tile: int = 0):
+                 fmt: str | None = None, layout: str = "NK", q8_tile: int = 0, q4_tile: int = 0):
         self.num, self.dim, self.dtype, self.fmt = num, dim, dtype, fmt
         self.layout = "NK" if fmt in tern.PACKINGS else layout   # ternary tables: rows only
         if fmt in tern.PACKINGS:
@@ -231,7 +271,7 @@ class Q4Embedding(nn.Module):
             self.q_scale = nn.Parameter((num, tern.n_groups(dim)), scale_dtype)
             return
         self.q_weight, self.q_scale = q_params(num, dim, "uint32" if bits == 4 else "int8", scale_dtype, layout,
-                                               q8_tile)
+                                               q8_tile, q4_tile)
         if layout != "NK":
             for p in (self.q_weight, self.q_scale):
                 p.attrs["layout"] = layout   # the converter stores embedding tables NK unless told
@@ -256,17 +296,21 @@ class Q4Embedding(nn.Module):
         return op.tensor_expr_op(gather_dequant, "dequantize_embedding", [rows, scales])
 
     def _gather_tiled(self, ids: Tensor) -> Tensor:
-        """The rows of `ids` from a tiled q8 table (token t's codes are column t of the KN codes, inside
-        tile t // q8_tile): one TE over the whole table, which reads only those tokens' codes."""
+        """The rows of `ids` from a tiled q8 or q4 table (token t's codes are column t of the KN codes, inside
+        tile t // tile): one TE over the whole table, which reads only those tokens' codes."""
         dim, dtype = self.dim, self.dtype
 
         def gather_dequant(idx: te.Tensor, w: te.Tensor, s: te.Tensor):
-            tile = int(w.shape[2]) // 2
             seq = idx.shape[0]
 
             def value(i, j):
                 t = idx[i]
-                return w[tiled_q8_index(t, j, tile)].astype(dtype) * s[j // GROUP, t].astype(dtype)
+                if w.dtype == "int8":
+                    return w[tiled_q8_index(t, j, int(w.shape[2]) // 2)].astype(dtype) * s[j // GROUP, t].astype(dtype)
+                tile = int(w.shape[2])
+                word = w[tiled_kn_index(t, j // CODES_PER_WORD, tile)]
+                code = (word >> (j % CODES_PER_WORD * 4).astype("uint32")) & tirx.const(0xF, "uint32")
+                return (code.astype(dtype) - tirx.const(ZERO, dtype)) * s[tiled_kn_index(t, j // GROUP, tile)].astype(dtype)
 
             return te.compute((seq, dim), value, name="embed_dequant")
 
@@ -302,6 +346,8 @@ class LayerFactory:
     ternary_source: str = "native"   # native: import ternary weights exactly (refuse others) | ptq
     kv_dtype: str | None = None      # the KV cache's storage dtype; None: the activation dtype
     q8_tile: int = 0                 # KN q8 codes tiled by this many columns (the target's q8_tile; 0: plain)
+    q4_tile: int = 0                 # KN q4 codes and scales tiled by up to this many columns (the target's q4_tile)
+    t2_tile: int = 0                 # ... and KN t2 codes and scales (the target's t2_tile)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -315,12 +361,12 @@ class LayerFactory:
         rotate = tern.rotation_block(in_features, self.rotation) if self.rotation and role != "lm_head" else 1
         if fmt in tern.PACKINGS:
             layer = TernaryLinear(in_features, out_features, bias, self.dtype, self.layout, fmt, self.scale_dtype,
-                                  rotate=rotate)
+                                  rotate=rotate, t2_tile=self.t2_tile)
             self._mark(layer, fmt, rotate)
             return layer
         if fmt in FORMAT_BITS and in_features % GROUP == 0:
             layer = Q4Linear(in_features, out_features, bias, self.dtype, self.layout, self.scale_dtype,
-                             bits=FORMAT_BITS[fmt], rotate=rotate, q8_tile=self.q8_tile)
+                             bits=FORMAT_BITS[fmt], rotate=rotate, q8_tile=self.q8_tile, q4_tile=self.q4_tile)
         else:
             layer = FloatLinear(in_features, out_features, bias, self.weight_dtype, rotate=rotate)
         self._mark(layer, None, rotate)
@@ -335,7 +381,8 @@ class LayerFactory:
             return layer
         if fmt in FORMAT_BITS and dim % GROUP == 0:
             return Q4Embedding(num, dim, self.dtype, self.scale_dtype, bits=FORMAT_BITS[fmt],
-                               layout=self.layout if tied else "NK", q8_tile=self.q8_tile if tied else 0)
+                               layout=self.layout if tied else "NK", q8_tile=self.q8_tile if tied else 0,
+                               q4_tile=self.q4_tile if tied else 0)
         return FloatEmbedding(num, dim, self.weight_dtype, self.dtype)
 
     def _mark(self, layer: nn.Module, fmt: str | None, rotate: int) -> None:
