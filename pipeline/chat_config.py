@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config import TILE_FIELDS
+
 CHAT_CONFIG_VERSION = "0.1.0"
 
 
@@ -45,7 +47,5 @@ def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_f
         "system_lib_prefix": build_info["system_lib_prefix"],
         "activation_dtype": build_info["metadata"]["activation_dtype"],
         "weight_layout": build_info["metadata"]["weight_layout"],
-        **({"q8_tile": build_info["metadata"]["q8_tile"]} if build_info["metadata"].get("q8_tile") else {}),
-        **({"q4_tile": build_info["metadata"]["q4_tile"]} if build_info["metadata"].get("q4_tile") else {}),
-        **({"t2_tile": build_info["metadata"]["t2_tile"]} if build_info["metadata"].get("t2_tile") else {}),
+        **{f: build_info["metadata"][f] for f in TILE_FIELDS if build_info["metadata"].get(f)},
     }

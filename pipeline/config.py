@@ -43,6 +43,9 @@ def _unknown(kind: str, name: str, known: dict[str, Path], extra: str = "") -> C
     return ConfigError(f"unknown {kind} {name!r}", fix=f"use one of: {', '.join(known)}{extra}")
 
 
+TILE_FIELDS = ("q8_tile", "q4_tile", "t2_tile")   # a target's tiled KN storage, recorded in bundle metadata
+
+
 @dataclass(frozen=True)
 class TargetSpec:
     name: str

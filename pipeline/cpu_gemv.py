@@ -136,13 +136,13 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
         return None
     n = out[2]
     roles = []
-    tiled4 = fmt in TILED_PACKED.values()   # q4 / t2 codes + scales may be tiled (3-d)
+    tiled_packed = fmt in TILED_PACKED.values()   # q4 / t2 codes + scales may be tiled (3-d)
     for shape, dtype in zip(shapes[:-1], dtypes[:-1], strict=True):
-        if dtype == spec.code_dtype and (len(shape) == 2 or ((spec.bits == 8 or tiled4) and len(shape) == 3)):
-            roles.append("codes")      # 3-d: q8 codes tiled (quantize.tile_q8) or q4 (quantize.tile_kn)
+        if dtype == spec.code_dtype and (len(shape) == 2 or ((spec.bits == 8 or tiled_packed) and len(shape) == 3)):
+            roles.append("codes")      # 3-d: q8 codes tiled (quantize.tile_q8) or q4 / t2 (quantize.tile_kn)
         elif dtype == "float32" and len(shape) == 3 and shape[:2] == (1, 1):
             roles.append("x")
-        elif dtype in ("float16", "float32") and (len(shape) == 2 or (tiled4 and len(shape) == 3)):
+        elif dtype in ("float16", "float32") and (len(shape) == 2 or (tiled_packed and len(shape) == 3)):
             roles.append("scales")
         else:
             return None
@@ -151,7 +151,7 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
     by_role = dict(zip(roles, shapes[:-1], strict=True))
     k = by_role["x"][2]
     groups = -(-k // spec.group)
-    if len(by_role["codes"]) == 3 and tiled4:
+    if len(by_role["codes"]) == 3 and tiled_packed:
         tile = by_role["codes"][2]
         if (n % tile or tile % LANES or n // tile < 2 or by_role["codes"] != (n // tile, k // spec.codes, tile)
                 or by_role["scales"] != (n // tile, groups, tile) or k % LANES):
@@ -716,6 +716,30 @@ def k_splits(n: int, k: int, threads: int, fmt: str = "q4") -> int:
     return min(threads, groups)
 
 
+@T.macro
+def _masked_dot(sums: T.Buffer, j: T.int32, word, shift: T.int32, field_mask: T.int32, pair):
+    """sums[j] += the pmaddwd of `word` (LANES uint32 code words) shifted down by `shift`, masked to one field
+    per int16 half, with x's int16 pair (`_packed_x_pairs`) broadcast to every lane."""
+    sums[j] = sums[j] + T.call_llvm_pure_intrin(
+        f"int32x{LANES}", "llvm.x86.avx2.pmadd.wd", T.reinterpret(
+            f"int16x{2 * LANES}", T.bitwise_and(T.shift_right(word, T.Broadcast(T.uint32(shift), LANES)),
+                                                T.Broadcast(T.uint32(field_mask), LANES))),
+        T.reinterpret(f"int16x{2 * LANES}", T.Broadcast(pair, LANES)))
+
+
+@T.macro
+def _packed_x_pairs(x: T.Buffer, q: T.Buffer, pairs: T.Buffer, d: T.Buffer, offset: T.Buffer, lanes_f: T.Buffer,
+                    lanes_i: T.Buffer, group: T.int32, k: T.int32, codes: T.int32, code_offset: T.int32):
+    """x quantized per group to int16 (`_quantize_groups`), then per word of `codes` codes and c < codes / 2
+    the pair pmaddwd takes against codes c and c + codes / 2 of a lane: pairs = int16 q[C w + c] |
+    q[C w + c + C/2] << 16 (the q4 / t2 int16 GEMVs, KN and tiled)."""
+    _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, code_offset)
+    for kw in range(k // codes):
+        for c in T.vectorized(codes // 2):
+            pairs[kw * (codes // 2) + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
+                                                        T.shift_left(q[kw * codes + c + codes // 2], 16))
+
+
 def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16",
                          splits: int = 1) -> tirx.PrimFunc:
     """The q4 / t2 GEMV with integer dot products (x86 AVX2 `pmaddwd`), for q4 13 vector instructions per
@@ -749,16 +773,7 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
     col_tasks = n // span
     prefetch = _prefetches(per_group * n * 4)
     i64 = T.int64
-    vi, vu, vh = f"int32x{LANES}", f"uint32x{LANES}", f"int16x{2 * LANES}"
-
-    @T.macro
-    def masked_dot(sums, j, word, shift, field_mask, pair):
-        """sums[j] += the pmaddwd of `word` shifted down by `shift`, masked to one field per int16 half, with
-        x's int16 pair."""
-        sums[j] = sums[j] + T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", T.reinterpret(
-            vh, T.bitwise_and(T.shift_right(word, T.Broadcast(T.uint32(shift), LANES)),
-                              T.Broadcast(T.uint32(field_mask), LANES))),
-            T.reinterpret(vh, T.Broadcast(pair, LANES)))
+    vi, vu = f"int32x{LANES}", f"uint32x{LANES}"
 
     @T.macro
     def accumulate(w, s, pairs, d, offset, partial, part, high, word, row, g, col, end):
@@ -770,8 +785,8 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
                         words, n)
             for c2 in T.unroll(half // 2):
                 for j in T.unroll(vecs):
-                    masked_dot(part, j, word[j], 2 * bits * c2, mask, pairs[(g * per_group + kw) * half + 2 * c2])
-                    masked_dot(high, j, word[j], 2 * bits * c2, mask << bits,
+                    _masked_dot(part, j, word[j], 2 * bits * c2, mask, pairs[(g * per_group + kw) * half + 2 * c2])
+                    _masked_dot(high, j, word[j], 2 * bits * c2, mask << bits,
                                pairs[(g * per_group + kw) * half + 2 * c2 + 1])
         for j in T.unroll(vecs):
             _add_scaled(partial, row, col + j * LANES, s, g, d, part[j] + T.shift_right(
@@ -788,11 +803,7 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
         partial = T.alloc_buffer((splits, n), "float32")
         lanes_f = T.alloc_buffer((LANES,), "float32")    # a group's vectors folded into one, lane by lane
         lanes_i = T.alloc_buffer((LANES,), "int32")
-        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, spec.offset)
-        for kw in range(words):
-            for c in T.vectorized(half):
-                pairs[kw * half + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
-                                                    T.shift_left(q[kw * codes + c + half], 16))
+        _packed_x_pairs(x, q, pairs, d, offset, lanes_f, lanes_i, group, k, codes, spec.offset)
         for task in T.parallel(splits * col_tasks):
             part = T.alloc_buffer((vecs,), vi)       # even codes c of the pairs
             high = T.alloc_buffer((vecs,), vi)       # odd codes, masked in place: 2^bits times their sum
@@ -828,14 +839,7 @@ def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
     assert spec.step == 1 and tile % LANES == 0 and n % tile == 0 and k % codes == 0, (spec, n, k, tile)
     mask = ((1 << bits) - 1) * 0x00010001          # one code in each int16 half of a lane
     i64 = T.int64
-    vi, vu, vh, vf = f"int32x{LANES}", f"uint32x{LANES}", f"int16x{2 * LANES}", f"float32x{LANES}"
-
-    @T.macro
-    def masked_dot(sums, j, word, shift, field_mask, pair):
-        sums[j] = sums[j] + T.call_llvm_pure_intrin(vi, "llvm.x86.avx2.pmadd.wd", T.reinterpret(
-            vh, T.bitwise_and(T.shift_right(word, T.Broadcast(T.uint32(shift), LANES)),
-                              T.Broadcast(T.uint32(field_mask), LANES))),
-            T.reinterpret(vh, T.Broadcast(pair, LANES)))
+    vi, vu, vf = f"int32x{LANES}", f"uint32x{LANES}", f"float32x{LANES}"
 
     @T.prim_func(private=True)
     def gemv(w: T.Buffer((i64(tiles), i64(words), i64(tile)), "uint32"),
@@ -848,11 +852,7 @@ def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
         offset = T.alloc_buffer((groups,), "int32")  # the code offset times the sum of the group's q
         lanes_f = T.alloc_buffer((LANES,), "float32")
         lanes_i = T.alloc_buffer((LANES,), "int32")
-        _quantize_groups(x, q, d, offset, lanes_f, lanes_i, group, k, INT16_MAX, spec.offset)
-        for kw in range(words):
-            for c in T.vectorized(half):
-                pairs[kw * half + c] = T.bitwise_or(T.bitwise_and(q[kw * codes + c], 65535),
-                                                    T.shift_left(q[kw * codes + c + half], 16))
+        _packed_x_pairs(x, q, pairs, d, offset, lanes_f, lanes_i, group, k, codes, spec.offset)
         for t in T.parallel(tiles):
             part = T.alloc_buffer((vecs,), vi)       # even codes of the pairs
             high = T.alloc_buffer((vecs,), vi)       # odd codes, masked in place: 2^bits times their sum
@@ -869,8 +869,8 @@ def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
                         word[j] = w[t, g * per_group + kw, T.Ramp(j * LANES, 1, LANES)]
                     for c2 in T.unroll(half // 2):
                         for j in T.unroll(vecs):
-                            masked_dot(part, j, word[j], 2 * bits * c2, mask, pairs[(g * per_group + kw) * half + 2 * c2])
-                            masked_dot(high, j, word[j], 2 * bits * c2, mask << bits,
+                            _masked_dot(part, j, word[j], 2 * bits * c2, mask, pairs[(g * per_group + kw) * half + 2 * c2])
+                            _masked_dot(high, j, word[j], 2 * bits * c2, mask << bits,
                                        pairs[(g * per_group + kw) * half + 2 * c2 + 1])
                 for j in T.unroll(vecs):
                     acc[j] = acc[j] + T.Cast(vf, s[t, g, T.Ramp(j * LANES, 1, LANES)]) * T.Broadcast(d[g], LANES) * T.Cast(

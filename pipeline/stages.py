@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .config import ROOT, ModelSpec, QuantSpec, TargetSpec, load_model, load_quant, load_target
+from .config import ROOT, TILE_FIELDS, ModelSpec, QuantSpec, TargetSpec, load_model, load_quant, load_target
 from .errors import PipelineError, WeightsError
 from .progress import Reporter
 
@@ -259,12 +259,11 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     meta = defined.module.metadata(quant.name, defined.params)
     meta["activation_dtype"] = defined.activation_dtype
     meta["weight_layout"] = defined.layout
-    tiles = {int(p.attrs["q8_tile"]) for _, p in defined.params if p.attrs and p.attrs.get("q8_tile")}
-    if tiles:   # KN q8 codes stored tiled (quantize.tile_q8): [N / q8_tile, K / 2, 2 q8_tile]
-        meta["q8_tile"] = max(tiles)
-    for tile_field in ("q4_tile", "t2_tile"):   # KN q4 / t2 codes and scales stored tiled (quantize.tile_kn):
+    # KN codes stored tiled: q8 (quantize.tile_q8: [N / q8_tile, K / 2, 2 q8_tile]); q4 / t2 codes and scales
+    # (quantize.tile_kn: [N / t, rows, t], t per tensor at most the recorded one)
+    for tile_field in TILE_FIELDS:
         tiles = {int(p.attrs[tile_field]) for _, p in defined.params if p.attrs and p.attrs.get(tile_field)}
-        if tiles:                               # [N / t, rows, t], t per tensor at most this
+        if tiles:
             meta[tile_field] = max(tiles)
     tvm_target = target.tvm()
     forced = forcing.reasons(target, force_cpu)
