@@ -817,6 +817,13 @@ def packed_kn_gemv_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = 
 
 
 
+def _tiled_dims(spec: PackedFormat, n: int, k: int, tile: int) -> tuple[int, int, int, int, int]:
+    """(words, groups, per_group, vecs, tiles) of a tiled q4 / t2 GEMV (`quantize.tile_kn`), after checking
+    the shapes it needs."""
+    assert spec.step == 1 and tile % LANES == 0 and n % tile == 0 and k % spec.codes == 0, (spec, n, k, tile)
+    return k // spec.codes, -(-k // spec.group), spec.group // spec.codes, tile // LANES, n // tile
+
+
 def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
                             scale_dtype: str = "float16") -> tirx.PrimFunc:
     """The q4 / t2 GEMV on AVX2 over tiled codes and scales (`quantize.tile_kn`, host-cpu's q4 / t2 storage:
@@ -834,9 +841,7 @@ def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
     VNNI CPUs this kernel is taken too (a tiled vpdpbusd form: not written)."""
     bits, group, codes = spec.bits, spec.group, spec.codes
     half = codes // 2
-    words, groups, per_group = k // codes, -(-k // group), group // codes
-    vecs, tiles = tile // LANES, n // tile
-    assert spec.step == 1 and tile % LANES == 0 and n % tile == 0 and k % codes == 0, (spec, n, k, tile)
+    words, groups, per_group, vecs, tiles = _tiled_dims(spec, n, k, tile)
     mask = ((1 << bits) - 1) * 0x00010001          # one code in each int16 half of a lane
     i64 = T.int64
     vi, vu, vf = f"int32x{LANES}", f"uint32x{LANES}", f"float32x{LANES}"
@@ -886,9 +891,7 @@ def packed_tiled_gemv(spec: PackedFormat, n: int, k: int, tile: int = 24, scale_
     `packed_tiled_gemv_int16` (whole tiles per task, sums in registers over K), per code a mask, convert and
     FMA against x, per group out += s * (sum - offset * sum of the group's x)."""
     bits, group, codes = spec.bits, spec.group, spec.codes
-    words, groups, per_group = k // codes, -(-k // group), group // codes
-    vecs, tiles = tile // LANES, n // tile
-    assert spec.step == 1 and tile % LANES == 0 and n % tile == 0 and k % codes == 0, (spec, n, k, tile)
+    words, groups, per_group, vecs, tiles = _tiled_dims(spec, n, k, tile)
     i64 = T.int64
     vu, vf, vi = f"uint32x{LANES}", f"float32x{LANES}", f"int32x{LANES}"
 

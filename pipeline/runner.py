@@ -33,10 +33,12 @@ class Bundle:
 
     def engine(self):
         from .engine import Engine, MissingWeightsError
+        from .host_memory import HugePageArena
         from .tensor_cache import iter_tensor_cache
 
+        arena = HugePageArena()     # the weights are read straight into it (no temporary copy each)
         try:
-            return Engine(self.library, iter_tensor_cache(self.path))
+            return Engine(self.library, iter_tensor_cache(self.path, allocate=arena.empty), arena=arena)
         except MissingWeightsError as err:
             raise PipelineError(f"weights lack {err.args[0]}", path=self.path / "tensor-cache.json",
                                 fix="rebuild the bundle") from None

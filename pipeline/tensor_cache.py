@@ -26,7 +26,8 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -350,12 +351,15 @@ def read_tensor_cache(folder: Path, verify: bool = True) -> dict[str, np.ndarray
     return dict(iter_tensor_cache(folder, verify))
 
 
-def iter_tensor_cache(folder: Path, verify: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+def iter_tensor_cache(folder: Path, verify: bool = True,
+                      allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+                      ) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every tensor in the cache at `folder`, one at a time.
 
     Each shard's presence, size and (with `verify`) md5 are checked before it is read, so a damaged
     bundle fails with a WeightsError naming the shard instead of producing garbage. Arrays are
-    independent, writable copies read with `np.fromfile`.
+    independent, writable copies read with `np.fromfile`, or (`allocate`: shape, dtype -> an empty
+    C-contiguous array, e.g. `HugePageArena.empty`) read straight into the arrays it gives: no temporary copy.
     """
     folder = Path(folder)
     for shard in _load_index(folder)["records"]:
@@ -375,5 +379,14 @@ def iter_tensor_cache(folder: Path, verify: bool = True) -> Iterator[tuple[str, 
             if count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > shard["nbytes"]:
                 raise WeightsError(f"tensor {name} does not fit its record (shape {list(shape)} {rec['dtype']}, "
                                    f"{nbytes} bytes at offset {offset})", path=path, fix=REBUILD_FIX)
+            if allocate is not None and sys.byteorder == "little" and nbytes:
+                arr = allocate(shape, dtype)
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    got = f.readinto(memoryview(arr.reshape(-1).view(np.uint8)))
+                if got != nbytes:     # the shard changed under us after its size was checked
+                    raise WeightsError(f"tensor {name}: read {got} of {nbytes} bytes", path=path, fix=REBUILD_FIX)
+                yield name, arr
+                continue
             arr = np.fromfile(path, dtype=dtype.newbyteorder("<"), count=count, offset=offset)
             yield name, arr.astype(dtype, copy=False).reshape(shape)
