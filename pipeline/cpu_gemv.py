@@ -167,13 +167,14 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
 
 
 def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot: bool = False,
-                        threads: int = 1, byte_dot: bool = False) -> tirx.PrimFunc | None:
+                        threads: int = 1, byte_dot: bool = False, prefetch_bytes: int = 0) -> tirx.PrimFunc | None:
     """The hand-written kernel with `func`'s parameter order, or None when `func` is not such a GEMV.
     `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`, q8
     `q8_kn_gemv_int16`); `byte_dot`: it
     has AVX-512 VNNI's vpdpbusd on 256-bit vectors (then `packed_kn_gemv_bytes`, q8 `q8_kn_gemv_vnni`). `threads`: the
     threads the library runs with when known (host-cpu: `build_threads`), K split that many ways (int16 and
-    q8 kernels); 1 keeps column spans (a cross-compiled target: the phone's thread count is not known)."""
+    q8 kernels); 1 keeps column spans (a cross-compiled target: the phone's thread count is not known).
+    `prefetch_bytes`: the tiled q4 / t2 int16 kernel's software prefetch distance (`native_prefetch_bytes`)."""
     match = match_packed_kn_gemv(func, text)
     if match is None:
         return None
@@ -182,8 +183,10 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
         base = TILED_PACKED[fmt]
         tile = int(func.params[order.index("codes")].shape[2])
         # AVX-512 VNNI CPUs have AVX2 too: the tiled walk is the int16 kernel's (vpdpbusd over it: not written)
-        kernel = (packed_tiled_gemv_int16 if int16_dot or byte_dot else packed_tiled_gemv)(
-            FORMATS[base], n, k, tile, scale_dtype)
+        if int16_dot or byte_dot:
+            kernel = packed_tiled_gemv_int16(FORMATS[base], n, k, tile, scale_dtype, prefetch_bytes)
+        else:
+            kernel = packed_tiled_gemv(FORMATS[base], n, k, tile, scale_dtype)
         return substitute(func, kernel, order, "dequant-gemv-ternary" if base in tern.PACKINGS else "dequant-gemv")
     if fmt == TILED_Q8:
         tile = q8_tile_of(tuple(int(d) for d in func.params[order.index("codes")].shape), n, k)
@@ -705,6 +708,34 @@ def native_threads(target) -> int | None:
     return build_threads() if not triple or triple.startswith(platform.machine()) else None
 
 
+# How far ahead (bytes of a thread's code stream) the tiled q4 / t2 GEMV prefetches, by the CPU's vendor; 0 or
+# absent: no software prefetch. Intel: measured on a Xeon with AMX and a 480 MB L3 (one core streams ~11 GB/s,
+# latency-bound), decode side by side, same tokens: the 0.49B Qwen3's q4f16 2.15x, ternary_ptq 2.7x, SmolLM2
+# q4f16 1.21x; 1.5-12 KB ahead all helped, 4.6-12 KB equally (a plateau), 1 KB less. AMD: a software prefetch of
+# the same stream measured 0.73-0.98x per GEMV on a Zen 4 EPYC (2026-12-05), so none there.
+GEMV_PREFETCH_BYTES = {"GenuineIntel": 6144}
+
+
+def cpu_vendor() -> str:
+    """This machine's CPU vendor as /proc/cpuinfo names it (e.g. GenuineIntel, AuthenticAMD); "" unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def native_prefetch_bytes(target) -> int:
+    """`GEMV_PREFETCH_BYTES` of this machine's CPU for a library built for this computer (an x86 LLVM
+    target without a foreign triple), else 0 (a cross-compiled library's CPU is not known here)."""
+    if native_threads(target) is None:
+        return 0
+    return GEMV_PREFETCH_BYTES.get(cpu_vendor(), 0)
+
+
 def k_splits(n: int, k: int, threads: int, fmt: str = "q4") -> int:
     """Parts of K for `packed_kn_gemv_int16`: one per thread (each reads one contiguous block of rows, the
     layout's whole width, which the prefetchers stream; 1.2-1.5x column spans at 2 threads on SmolLM2's
@@ -825,7 +856,7 @@ def _tiled_dims(spec: PackedFormat, n: int, k: int, tile: int) -> tuple[int, int
 
 
 def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
-                            scale_dtype: str = "float16") -> tirx.PrimFunc:
+                            scale_dtype: str = "float16", prefetch_bytes: int = 0) -> tirx.PrimFunc:
     """The q4 / t2 GEMV on AVX2 over tiled codes and scales (`quantize.tile_kn`, host-cpu's q4 / t2 storage:
     each tile of `tile` output columns one contiguous run over K, its scales another). A task owns whole
     tiles; per tile the `tile` / 8 column vectors' sums stay in registers over all of K, per group the int16
@@ -838,10 +869,15 @@ def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
     Qwen3's shapes, against the KN kernels with the same pmaddwd arithmetic (`packed_kn_gemv_int16`): q4 1
     thread 1.4-1.7x, 2 threads 1.05-1.2x; against what that CPU took for KN codes (`packed_kn_gemv_bytes`,
     vpdpbusd), 2 threads: q4 1.01-1.23x, t2 1.24-1.45x (t2 against the AVX2 pmaddubsw form 1.25-1.8x). On
-    VNNI CPUs this kernel is taken too (a tiled vpdpbusd form: not written)."""
+    VNNI CPUs this kernel is taken too (a tiled vpdpbusd form: not written).
+
+    `prefetch_bytes` > 0: per row of codes, a software prefetch of the row that far ahead in the thread's
+    stream (past a tile's end: the next tile's, which the same task reads next; `GEMV_PREFETCH_BYTES`)."""
     bits, group, codes = spec.bits, spec.group, spec.codes
     half = codes // 2
     words, groups, per_group, vecs, tiles = _tiled_dims(spec, n, k, tile)
+    ahead = prefetch_bytes // (4 * tile) if prefetch_bytes > 0 else 0     # rows of `tile` uint32
+    two_lines = 4 * tile > 64     # a 96-byte row starts at byte 0 or 32 of a line: it touches 2 lines
     mask = ((1 << bits) - 1) * 0x00010001          # one code in each int16 half of a lane
     i64 = T.int64
     vi, vu, vf = f"int32x{LANES}", f"uint32x{LANES}", f"float32x{LANES}"
@@ -870,6 +906,10 @@ def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
                     part[j] = T.Broadcast(0, LANES)
                     high[j] = T.Broadcast(0, LANES)
                 for kw in range(T.min(per_group, words - g * per_group)):
+                    if ahead > 0:   # never faults: past the last tile it names memory it does not read
+                        T.evaluate(prefetch_line(w[t, g * per_group + kw + ahead, 0]))
+                        if two_lines:
+                            T.evaluate(prefetch_line(w[t, g * per_group + kw + ahead, 16]))
                     for j in T.unroll(vecs):
                         word[j] = w[t, g * per_group + kw, T.Ramp(j * LANES, 1, LANES)]
                     for c2 in T.unroll(half // 2):

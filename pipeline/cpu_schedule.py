@@ -13,7 +13,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
-from .cpu_gemv import float_nt_gemv_like, native_threads, packed_kn_gemv_like
+from .cpu_gemv import float_nt_gemv_like, native_prefetch_bytes, native_threads, packed_kn_gemv_like
 from .cpu_prefill import packed_kn_matmul_like
 
 
@@ -23,7 +23,7 @@ class CPUInlineParallel(ScheduleRule):
             return None
         text = func.script()      # printed once: both checks below read it
         kernel = packed_kn_gemv_like(func, text, int16_dot=_has_avx2(target), threads=_host_threads(target),
-                                     byte_dot=_has_vnni(target))
+                                     byte_dot=_has_vnni(target), prefetch_bytes=native_prefetch_bytes(target))
         if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
             return s_tir.Schedule(kernel)
         kernel = packed_kn_matmul_like(func, text, byte_dot=_has_vnni(target), int16_dot=_has_avx2(target))

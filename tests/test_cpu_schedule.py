@@ -613,6 +613,37 @@ def test_tiled_q4_gemv_group_sums_are_exact_at_the_extremes():
                                    rtol=1e-6)
 
 
+def test_tiled_gemv_prefetch_distance_follows_the_cpu_vendor(monkeypatch):
+    """The tiled GEMV's software prefetch is the table's for this machine's CPU vendor (Intel: on; AMD and
+    unknown: off) and only for a library built for this computer: a cross-compiled one's CPU is unknown."""
+    cross = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-android"})
+    for vendor, want in [("GenuineIntel", cpu_gemv.GEMV_PREFETCH_BYTES["GenuineIntel"]), ("AuthenticAMD", 0), ("", 0)]:
+        monkeypatch.setattr(cpu_gemv, "cpu_vendor", lambda v=vendor: v)
+        assert cpu_gemv.native_prefetch_bytes(AVX2) == want and cpu_gemv.native_prefetch_bytes(cross) == 0
+        text = CPUInlineParallel().apply(_packed_tiled_func("q4", 96, 256, 24), AVX2, False).mod["main"].script()
+        assert ("llvm.prefetch" in text) == (want > 0)
+    assert cpu_gemv.GEMV_PREFETCH_BYTES["GenuineIntel"] > 0
+
+
+@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.parametrize("fmt,n,k,tile", [("q4", 576, 96, 24), ("q4", 96, 1024, 16), ("q4", 48, 576, 8),
+                                          ("t2", 72, 576, 24)])
+def test_prefetching_tiled_gemv_gives_the_same_outputs(fmt, n, k, tile):
+    """A software prefetch changes no result: the same outputs bit for bit as without it, and numpy's within
+    the int16 kernel's tolerance, with the prefetch running past the last tile (6 KB ahead of these weights'
+    ends) and within one (K = 1024: 64 rows of 16 columns ahead in a 128-row tile)."""
+    args, want = _packed_tiled_inputs(fmt, n, k, tile, 1, seed=5)
+    outs = []
+    for ahead in (0, cpu_gemv.GEMV_PREFETCH_BYTES["GenuineIntel"]):
+        fmt_spec = cpu_gemv.FORMATS[fmt]
+        kernel = cpu_gemv.packed_tiled_gemv_int16(fmt_spec, n, k, tile, prefetch_bytes=ahead)
+        func = kernel.with_attr("global_symbol", "main")
+        assert ("llvm.prefetch" in func.script()) == (ahead > 0)
+        outs.append(_call(func, args, 1, n, AVX2))
+    assert np.array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[1], want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("kind", ["int16", "fp32", "vnni"])
 @pytest.mark.parametrize("fmt,n,k,tile,rows", [("q4", 72, 96, 24, 7), ("q4", 64, 576, 16, 4), ("q4", 48, 64, 8, 5),
                                                ("q4", 96, 64, 24, 4), ("t2", 48, 576, 24, 5)])   # 7: 4 + 3 rows
