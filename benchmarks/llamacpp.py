@@ -9,6 +9,7 @@ never committed, and reuses it when present:
     .cache/llama.cpp/<version>/src/                                 its vendor/llama.cpp
     .cache/llama.cpp/<version>/build/bin/llama-*                    the tools
     .cache/llama.cpp/<version>/BUILT                                written last (a finished build)
+    .cache/llama.cpp/<version>/build-noamx/, BUILT-noamx            the same on a CPU with AMX (build_variant)
 
     .venv/bin/python benchmarks/llamacpp.py            # build (about 10 min on 2 cores), print paths
     .venv/bin/python benchmarks/llamacpp.py --jobs 4
@@ -46,6 +47,30 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_TOOLS=ON",
 )
+# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX matmul in, and in this version it segfaults
+# (ggml_backend_amx_mul_mat, seen under gdb on a Xeon with amx_int8 on 2026-12-05: every Q4_0 / Q8_0 / Q4_K /
+# TQ2_0 llama-bench run died with SIGSEGV; F16 ran). Such CPUs get a build without it (its AVX-512 / VNNI paths
+# and CPU repacking stay), in its own folder so a cached build of the other kind is never mixed up with it.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cpu_has_amx(cpuinfo: str | None = None) -> bool:
+    """Whether this machine's CPU flags (/proc/cpuinfo) include AMX."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if ln.startswith("flags")), [])
+    return "amx_int8" in flags or "amx_tile" in flags
+
+
+def build_variant(amx: bool | None = None) -> tuple[str, tuple[str, ...], str]:
+    """(folder suffix, extra cmake flags, a note for the results) of the build this machine gets."""
+    if amx if amx is not None else cpu_has_amx():
+        return ("-noamx", (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"),
+                "built without AMX (-mno-amx-*): this version's AMX matmul segfaults on this CPU")
+    return "", (), ""
 
 
 class BuildError(RuntimeError):
@@ -59,6 +84,7 @@ class LlamaCpp:
     version: str
     src: Path
     bin: Path
+    note: str = ""     # how this build differs from the plain native one (build_variant), if it does
 
     def tool(self, name: str) -> Path:
         return self.bin / name
@@ -141,8 +167,9 @@ def _run(cmd: list[str], log: Path, nice: bool) -> None:
 def find_built(version: str = VERSION, cache: Path = CACHE) -> LlamaCpp | None:
     """The cached build if it finished (the BUILT marker is written after the last tool linked)."""
     home = cache / version
-    lc = LlamaCpp(version, home / "src", home / "build" / "bin")
-    if (home / "BUILT").exists() and all(lc.tool(t).exists() for t in TOOLS):
+    suffix, _, note = build_variant()
+    lc = LlamaCpp(version, home / "src", home / f"build{suffix}" / "bin", note)
+    if (home / f"BUILT{suffix}").exists() and all(lc.tool(t).exists() for t in TOOLS):
         return lc
     return None
 
@@ -162,14 +189,15 @@ def ensure_built(version: str = VERSION, cache: Path = CACHE, jobs: int = 2, nic
     except BuildError:
         generator = []  # cmake's default (make) still works, only slower to start
     src = _extract(_sdist(version, home), home / "src")
-    build = home / "build"
-    log = home / "build.log"
+    suffix, extra_flags, _ = build_variant()
+    build = home / f"build{suffix}"
+    log = home / f"build{suffix}.log"
     if not quiet:
         print(f"building llama.cpp {version} ({', '.join(TOOLS)}) with -j{jobs}; log: {log}", flush=True)
     if not (build / "CMakeCache.txt").exists():
-        _run([cmake, "-S", str(src), "-B", str(build), *generator, *CMAKE_FLAGS], log, nice)
+        _run([cmake, "-S", str(src), "-B", str(build), *generator, *CMAKE_FLAGS, *extra_flags], log, nice)
     _run([cmake, "--build", str(build), "-j", str(jobs), "--target", *TOOLS], log, nice)
-    (home / "BUILT").write_text(version + "\n")
+    (home / f"BUILT{suffix}").write_text(version + "\n")
     lc = find_built(version, cache)
     if lc is None:
         raise BuildError(f"build finished but the tools are missing from {build / 'bin'} — see {log}")

@@ -690,7 +690,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"sides; load average {res['load_average']['before']:.2f} before, {res['load_average']['after']:.2f} "
              "after (the machine is shared: figures are what was measured under that load).",
              f"Versions: TVM {m['packages'].get('apache-tvm')}, llama.cpp vendored in llama-cpp-python "
-             f"{res['llamacpp'].get('version')} (llama-bench build commit: {res['llamacpp'].get('build_commit')}), "
+             f"{res['llamacpp'].get('version')} (llama-bench build commit: {res['llamacpp'].get('build_commit')}"
+             + (f"; {res['llamacpp']['note']}" if res['llamacpp'].get('note') else "") + "), "
              f"ours at git {res['git_commit']}.",
              f"Memory bandwidth (streaming read, {bw.get('threads')} threads): "
              + (f"{bw['gbs']:.2f} GB/s best, {_s(bw['spread_gbs'])} over passes — {bw['method']}."
@@ -765,7 +766,7 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
 
 
 def cpu_isa(cpuinfo: str | None = None) -> list[str]:
@@ -1014,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
     phones = yaml.safe_load(PHONES_FILE.read_text())
     share = float(cfg["phone_bandwidth_share"])
     goals = goal_verdicts(rows, cfg.get("goals", []), [m["name"] for m in cfg["models"]])
-    lc_info = {"version": llamacpp.VERSION, "note": lc_note,
+    lc_info = {"version": llamacpp.VERSION, "note": lc_note or (lc.note if lc else ""),
                "build_commit": next((r["build_commit"] for r in rows if r.get("build_commit")), None)}
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     result = {"date": date, "quick": args.quick, "threads": cfg["threads"], "decode_tokens": cfg["decode_tokens"],

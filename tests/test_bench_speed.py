@@ -194,8 +194,8 @@ def test_run_measured_reports_the_childs_peak_rss_in_bytes():
     del held
 
 
-def test_markdown_renders_a_made_up_result():
-    res = {"date": "2026-01-01", "quick": True, "threads": 2, "decode_tokens": 64, "llamacpp_reps": 2,
+def _made_up_result() -> dict:
+    return {"date": "2026-01-01", "quick": True, "threads": 2, "decode_tokens": 64, "llamacpp_reps": 2,
            "machine": {"cpu": "cpu", "cores": 2, "ram_gb": 8.0, "packages": {"apache-tvm": "0"}},
            "git_commit": "abc", "llamacpp": {"version": "0.3.36", "build_commit": None},
            "bandwidth": {"gbs": 10.0, "spread_gbs": speed.spread([9.0, 10.0]), "threads": 2, "method": "C"},
@@ -212,7 +212,10 @@ def test_markdown_renders_a_made_up_result():
            "phone_predictions": [{"model": "m", "scheme": "q4f16", "bytes_per_token": 1e8,
                                   "predicted_tok_s": {"p": 300.0}}],
            "goals": []}
-    md = speed.markdown(res)
+
+
+def test_markdown_renders_a_made_up_result():
+    md = speed.markdown(_made_up_result())
     assert "| q4f16 | ours | 3.00 | 1.50 (1.00–2.00) | 600 (500–700) | 100.0 | 4.5 | 1.5 | 3.0 | 1024 | 1024 | 1.50 |" in md
     assert "PREDICTION" in md and "| m | q4f16 | 100.0 | 300.0 |" in md
 
@@ -231,6 +234,22 @@ def test_cpu_isa_reads_the_flags_that_pick_kernels():
     text = "processor : 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512vl avx512_vnni bmi2\n"
     assert speed.cpu_isa(text) == ["avx2", "fma", "avx512f", "avx512vl", "avx512_vnni"]
     assert speed.cpu_isa("processor : 0\n") == []
+
+
+def test_llamacpp_is_built_without_amx_on_a_cpu_with_amx(tmp_path):
+    """ggml's AMX matmul segfaults in the pinned llama.cpp: a CPU with AMX gets a build without it, in its
+    own folder and marker (a cached plain build is not taken for it), and the results say so."""
+    from benchmarks import llamacpp
+
+    amx = "processor : 0\nflags\t\t: fpu avx2 avx512f avx512_vnni amx_tile amx_int8 amx_bf16\n"
+    assert llamacpp.cpu_has_amx(amx) and not llamacpp.cpu_has_amx(amx.replace("amx_tile amx_int8 amx_bf16", ""))
+    suffix, flags, note = llamacpp.build_variant(amx=True)
+    assert suffix == "-noamx" and "AMX" in note
+    assert all("-mno-amx-int8" in f for f in flags) and {f.split("=")[0] for f in flags} == {
+        "-DCMAKE_C_FLAGS", "-DCMAKE_CXX_FLAGS"}
+    assert llamacpp.build_variant(amx=False) == ("", (), "")
+    res_note = {"version": "0.3.36", "build_commit": None, "note": note}
+    assert note in speed.markdown({**_made_up_result(), "llamacpp": res_note})
 
 
 def test_a_second_run_of_a_day_does_not_overwrite_the_first(tmp_path):
