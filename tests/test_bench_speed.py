@@ -252,6 +252,22 @@ def test_llamacpp_is_built_without_amx_on_a_cpu_with_amx(tmp_path):
     assert note in speed.markdown({**_made_up_result(), "llamacpp": res_note})
 
 
+def test_a_model_that_fits_in_the_last_level_cache_is_flagged(tmp_path):
+    """The last-level cache's size from sysfs (the highest level), and a markdown warning for a model whose
+    decode bytes per token fit in it (its roofline against the DRAM probe may pass 100%), none otherwise."""
+    for index, (level, size) in enumerate([(1, "48K"), (2, "2048K"), (3, "491520K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert speed.last_level_cache_bytes(tmp_path) == 491520 * 1024
+    assert speed.last_level_cache_bytes(tmp_path / "none") is None
+    res = _made_up_result()          # q4f16 reads 100 + 4.5 MB per token
+    res["machine"]["llc_bytes"] = 480 * 2**20
+    assert "Cache: q4f16 (104 MB) read fewer bytes per token than this CPU's last-level cache (480 MiB" in speed.markdown(res)
+    res["machine"]["llc_bytes"] = 32 * 2**20
+    assert "Cache:" not in speed.markdown(res)
+
+
 def test_a_second_run_of_a_day_does_not_overwrite_the_first(tmp_path):
     assert speed.result_stem(tmp_path, "2026-12-02", False, "abc1234") == "speed-2026-12-02"
     (tmp_path / "speed-2026-12-02.json").write_text("{}")
