@@ -709,10 +709,11 @@ def native_threads(target) -> int | None:
 
 
 # How far ahead (bytes of a thread's code stream) the tiled q4 / t2 GEMV prefetches, by the CPU's vendor; 0 or
-# absent: no software prefetch. Intel: measured on a Xeon with AMX and a 480 MB L3 (one core streams ~11 GB/s,
-# latency-bound), decode side by side, same tokens: the 0.49B Qwen3's q4f16 2.15x, ternary_ptq 2.7x, SmolLM2
-# q4f16 1.21x; 1.5-12 KB ahead all helped, 4.6-12 KB equally (a plateau), 1 KB less. AMD: a software prefetch of
-# the same stream measured 0.73-0.98x per GEMV on a Zen 4 EPYC (2026-12-05), so none there.
+# absent: no software prefetch. Intel: measured on a Xeon with AMX and a 480 MiB L3 (one core streams ~11 GB/s,
+# latency-bound), decode side by side against the same code without it, same tokens: the 0.49B Qwen3's q4f16
+# 2.41x, ternary_ptq 3.11x, SmolLM2 q4f16 1.22x; against 1.9 KB ahead, 1 KB 0.89x, 3 KB 1.07x, 4.6-12 KB 1.11x (a
+# plateau). AMD: a software prefetch of the same stream measured 0.73-0.98x per GEMV on a Zen 4 EPYC (2026-12-05,
+# an earlier form, not this one), so none there until measured.
 GEMV_PREFETCH_BYTES = {"GenuineIntel": 6144}
 
 
@@ -877,7 +878,7 @@ def packed_tiled_gemv_int16(spec: PackedFormat, n: int, k: int, tile: int = 24,
     half = codes // 2
     words, groups, per_group, vecs, tiles = _tiled_dims(spec, n, k, tile)
     ahead = prefetch_bytes // (4 * tile) if prefetch_bytes > 0 else 0     # rows of `tile` uint32
-    two_lines = 4 * tile > 64     # a 96-byte row starts at byte 0 or 32 of a line: it touches 2 lines
+    two_lines = 4 * tile > 64     # a row of 96 bytes (tile 24) starts at byte 0 or 32 of a line: 2 lines
     mask = ((1 << bits) - 1) * 0x00010001          # one code in each int16 half of a lane
     i64 = T.int64
     vi, vu, vf = f"int32x{LANES}", f"uint32x{LANES}", f"float32x{LANES}"
