@@ -54,14 +54,18 @@ CMAKE_FLAGS = (
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """The first CPU's flags in /proc/cpuinfo (or in the `cpuinfo` text); [] when unreadable."""
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+
+
 def cpu_has_amx(cpuinfo: str | None = None) -> bool:
-    """Whether this machine's CPU flags (/proc/cpuinfo) include AMX."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if ln.startswith("flags")), [])
+    """Whether this machine's CPU flags include AMX."""
+    flags = cpu_flags(cpuinfo)
     return "amx_int8" in flags or "amx_tile" in flags
 
 

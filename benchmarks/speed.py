@@ -807,11 +807,9 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "a
 def cpu_isa(cpuinfo: str | None = None) -> list[str]:
     """The vector ISA extensions both sides' kernels choose by (ours: cpu_schedule; llama.cpp: -march=native),
     from /proc/cpuinfo: a ratio measured on an AVX-512 VNNI CPU is not one measured on an AVX2-only one."""
-    try:
-        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    from benchmarks.llamacpp import cpu_flags
+
+    flags = cpu_flags(cpuinfo)
     return [f for f in ISA_FLAGS if f in flags]
 
 
