@@ -51,6 +51,7 @@ function that is exactly that fused pattern (`match_packed_kn_gemv`); anything e
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -717,8 +718,10 @@ def native_threads(target) -> int | None:
 GEMV_PREFETCH_BYTES = {"GenuineIntel": 6144}
 
 
+@functools.cache
 def cpu_vendor() -> str:
-    """This machine's CPU vendor as /proc/cpuinfo names it (e.g. GenuineIntel, AuthenticAMD); "" unknown."""
+    """This machine's CPU vendor as /proc/cpuinfo names it (e.g. GenuineIntel, AuthenticAMD); "" unknown.
+    Read once per process: the schedule rule asks for every function of a build."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
