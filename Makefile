@@ -96,8 +96,10 @@ test-slow: $(STAMP) system-deps
 tune: $(STAMP)
 	$(PY) -m pipeline tune --model $(MODEL) --target $(TARGET) --trials $(TRIALS) $(if $(RPC),--rpc $(RPC)) $(if $(KERNELS),--kernels $(KERNELS))
 
+# ruff, and the import contract of pyproject.toml [tool.importlinter] (layers from cli down to the ground floor).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline tests benchmarks
+	$(VENV)/bin/lint-imports
 
 # Benchmarks (not tests). BENCH_ARGS=--quick for a few minutes; results in benchmarks/results/.
 BENCH_ARGS ?=

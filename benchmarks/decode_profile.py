@@ -45,13 +45,13 @@ THREAD_PARTS = ("kernels", *dict.fromkeys(part for _, part in PARTS), "other")
 
 def child(bundle: str, ctx: int, seconds: float, ctl: str, ack: str) -> None:
     """Runs under perf: decode with sampling on, prefill with it off; prints the decode's ms per token."""
-    from pipeline.lean_runtime import enter_runtime_process
+    from pipeline.runtime.lean import enter_runtime_process
 
     enter_runtime_process()
     import numpy as np
 
     from benchmarks.speed import prompt_ids
-    from pipeline.runner import Bundle
+    from pipeline.runtime.runner import Bundle
 
     loaded = Bundle(bundle)
     engine = loaded.engine()

@@ -37,14 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9, help="rounds of the three decode loops")
     args = ap.parse_args(argv)
 
-    from pipeline.lean_runtime import enter_runtime_process
+    from pipeline.runtime.lean import enter_runtime_process
 
     enter_runtime_process()
     import numpy as np
     import tvm
 
-    from pipeline.engine import _builtin, _shape
-    from pipeline.runner import Bundle
+    from pipeline.runtime.engine import _builtin, _shape
+    from pipeline.runtime.runner import Bundle
 
     loaded = Bundle(args.bundle)
     engine = loaded.engine()

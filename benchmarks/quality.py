@@ -248,7 +248,7 @@ def build_ours(entry: dict[str, Any], model: str, out: Path) -> Path:
 
 def run_ours(bundles: dict[str, Path], base: str, wins: list[list[int]], log=print) -> dict[str, tuple[Score, float]]:
     """All schemes window by window (the base's log-probs computed once per window)."""
-    from pipeline.runner import Bundle
+    from pipeline.runtime.runner import Bundle
 
     engines = {name: Bundle(path).engine() for name, path in bundles.items()}
     scores = {name: Score() for name in engines}
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             lc = llamacpp.ensure_built(jobs=args.jobs)
             gguf_src = load_model(model).weights
-            from pipeline.calibrate import BUILTIN_TEXT
+            from pipeline.config import BUILTIN_TEXT
 
             lc_results, lc_tokens = run_llamacpp(lc, gguf_src, text_path, ctx, n_windows, list(cfg["llamacpp"]),
                                                  cfg["llamacpp_base"], work / "llamacpp",

@@ -86,7 +86,7 @@ def main() -> None:
 
     from benchmarks.speed import measure_bandwidth
     from pipeline.config import load_target
-    from pipeline.runner import Bundle
+    from pipeline.runtime.runner import Bundle
 
     engine = Bundle(args.bundle).engine()
     target = load_target("host-cpu").tvm()

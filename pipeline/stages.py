@@ -9,48 +9,55 @@ rebuild only re-checks keys and re-emits the bundle.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
+import dataclasses
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .config import ROOT, TILE_FIELDS, ModelSpec, QuantSpec, TargetSpec, load_model, load_quant, load_target
-from .errors import PipelineError, WeightsError
-from .progress import Reporter
+import numpy as np
+import tvm
+from tvm import relax
 
-PIPELINE_DIR = Path(__file__).resolve().parent
-
-
-# ----------------------------------------------------------------------------------------- keys
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-@functools.cache
-def source_hash() -> str:
-    """Content hash of the pipeline's own code: a changed pass or kernel invalidates cached outputs."""
-    h = hashlib.sha256()
-    for path in sorted(PIPELINE_DIR.rglob("*.py")):
-        h.update(path.relative_to(PIPELINE_DIR).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:20]
-
-
-def tvm_versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {"apache-tvm": version("apache-tvm"), "apache-tvm-ffi": version("apache-tvm-ffi"),
-            "pipeline": __version__}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MLP_CACHE_DIR", ROOT / ".cache"))
+from pipeline.artifacts.bundle import atomic_dir, tool_versions, write_manifest
+from pipeline.artifacts.chat_config import chat_config
+from pipeline.cache import cache_root, digest, link_or_copy, source_hash, tvm_versions
+from pipeline.compiler import force_cpu as forcing
+from pipeline.compiler.compile import compile_library
+from pipeline.compiler.force_cpu import reasons
+from pipeline.compiler.fuse import fusion_passes
+from pipeline.compiler.schedule import schedule_module
+from pipeline.compiler.tuning import database_digest, load_database
+from pipeline.config import (
+    TILE_FIELDS,
+    ModelSpec,
+    QuantSpec,
+    TargetSpec,
+    load_model,
+    load_phone,
+    load_quant,
+    load_target,
+)
+from pipeline.errors import PipelineError, WeightsError
+from pipeline.frontend.checkpoint import open_checkpoint
+from pipeline.kernels.cpu import rope as cpu_rope
+from pipeline.kernels.cpu.gemv import build_threads
+from pipeline.kernels.cpu.regions import merge_regions
+from pipeline.kernels.npu.hexagon import partition
+from pipeline.models import config_from_hf, model_class
+from pipeline.models.split import SplitFactory
+from pipeline.onnx_stages import build_graph, check_quant, emit_graph, is_onnx
+from pipeline.progress import Reporter
+from pipeline.quant.auto_plan import auto_markdown, plan_auto
+from pipeline.quant.calibrate import Calibration
+from pipeline.quant.memory_plan import memory_plan, modes_for_scheme, plan_markdown
+from pipeline.quant.resumable import convert_weights
+from pipeline.report.coverage import coverage_report, write_coverage
+from pipeline.report.html import write_coverage_html
+from pipeline.verify import opencl as verify_opencl
+from pipeline.verify.execution import AUTO_VERIFY_MAX_BYTES, annotate, reference_module, twin_module, verdicts
 
 
 # --------------------------------------------------------------------------------------- stages
@@ -66,9 +73,6 @@ class Loaded:
 
 
 def load(spec: ModelSpec) -> Loaded:
-    from .load import open_checkpoint
-    from .models import config_from_hf
-
     ckpt = open_checkpoint(spec.weights) if spec.weights is not None else None
     hf = spec.hf_config or (ckpt.config if ckpt else None)
     if hf is None:
@@ -94,10 +98,6 @@ class Defined:
 def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporter | None = None) -> Defined:
     """The model in the scheme's storage; vocab tables over the target's `capabilities.max_buffer_bytes`
     come in parts (models/split.py)."""
-    from . import cpu_rope
-    from .models import model_class
-    from .models.split import SplitFactory
-
     layout = quant.layout_for(target)
     act = quant.activation_dtype(target)
     limit = (target.capabilities or {}).get("max_buffer_bytes")
@@ -126,8 +126,6 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
 
 
 def _nbytes(param: Any) -> int:
-    import numpy as np
-
     return int(np.prod([int(d) for d in param.shape])) * np.dtype(str(param.dtype)).itemsize
 
 
@@ -139,14 +137,12 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
     where it stopped on the next run (see `resumable.convert_weights`). `calibration`: the run's
     calibrate.Calibration, shared with QUANT=auto's planning (made here when None and the scheme asks).
     """
-    from .resumable import convert_weights
-
     if loaded.checkpoint is None:
         return None
     _report_unused(loaded.checkpoint, report)
     # conversion options ride on the parameters' attrs (ternary format/source, rotation): part of the key
     calib = quant.calibration_spec
-    key = _digest({"weights": loaded.checkpoint.fingerprint(), "quant": quant.name, "layout": defined.layout,
+    key = digest({"weights": loaded.checkpoint.fingerprint(), "quant": quant.name, "layout": defined.layout,
                    "params": [(n, [int(x) for x in p.shape], p.dtype, *([dict(p.attrs)] if p.attrs else []))
                               for n, p in defined.params],
                    "code": source_hash(), **({"calibration": calib.identity()} if calib else {})})
@@ -183,7 +179,6 @@ def _calibration(loaded: Loaded, spec: Any, report: Reporter, given: Any = None)
     if given is not None or spec is None or loaded.checkpoint is None:
         yield given if spec is not None else None
         return
-    from .calibrate import Calibration
 
     tmp = cache_root() / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -229,19 +224,12 @@ def _report_unused(ckpt: Any, report: Reporter) -> None:
 
 
 def fuse(defined: Defined, target: TargetSpec):
-    import tvm
-
-    from .fuse import fusion_passes
-
     with target.tvm():
         return tvm.transform.Sequential(fusion_passes())(defined.mod)
 
 
 def tune(mod: Any, target: TargetSpec):
     """Tuned records of the target's database first (tuning.py), then the target's default rules."""
-    from .tune import schedule_module
-    from .tuning import load_database
-
     return schedule_module(mod, target.tvm(), target.schedule_rules, target.device, load_database(target.name))
 
 
@@ -251,11 +239,6 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
 
     `force_cpu`: comma-separated op classes pinned to the CPU on top of the target's `force_cpu`.
     `verify`: run the kernels on PoCL (None: the target's `verify_kernels`)."""
-    from . import force_cpu as forcing
-    from .bundle import atomic_dir
-    from .cpu_gemv import build_threads
-    from .tuning import database_digest
-
     meta = defined.module.metadata(quant.name, defined.params)
     meta["activation_dtype"] = defined.activation_dtype
     meta["weight_layout"] = defined.layout
@@ -268,7 +251,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     tvm_target = target.tvm()
     forced = forcing.reasons(target, force_cpu)
     verify = _verify_mode(target, verify, defined)
-    key = _digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
+    key = digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
                    "meta": meta, "force_cpu": forced, "verify": verify, "npu": target.npu,
@@ -288,15 +271,11 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
             mod, schedules = tune(mod, target)
         if target.npu:
-            from .hexagon import partition
-
             schedules = partition(mod, schedules, target.npu, loaded.decoder.vocab_size)
         mod, schedules = forcing.apply(mod, unscheduled, schedules, forced, target)
         if forced:
             n = sum(1 for s in schedules if s.rule == "forced-cpu")
             report.info(f"force_cpu: {n} kernel(s) of {', '.join(forced)} pinned to the CPU")
-        from .coverage import coverage_report, write_coverage
-
         coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size,
                                    param_names=[n for n, _ in defined.params])
         _record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
@@ -314,33 +293,7 @@ def merge_cpu_regions(mod: Any, views: bool = True) -> tuple[Any, dict[str, Any]
     """The decode step's runs of CPU kernels as one parallel region each (cpu_regions.py). Reshapes that
     lowering turns into views are rewritten first, so that they stay views (inside a region too, unless
     `views` is off: TVM 0.27's system-lib symbol pass fails on the buffer declarations they become)."""
-    from tvm import relax
-
-    from .cpu_regions import merge_regions
-
     return merge_regions(relax.transform.RewriteDataflowReshape()(mod), views=views)
-
-
-def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], target: TargetSpec, prefix: str,
-                    key: str, tmp: Path, report: Reporter) -> dict[str, Any]:
-    """Compile a scheduled module (and, for NPU targets, its HVX kernels) into `tmp` and write build.json;
-    the LLM path and ONNX graphs share it. No timings in build.json: it goes into the bundle, whose
-    manifest must be reproducible."""
-    from .compile import attach_metadata, build_library
-
-    with report.step(f"compile for {target.name}"):
-        lib = build_library(attach_metadata(mod, meta), target.tvm(), library=target.library,
-                            system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
-    info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
-            "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
-                         **({"reason": s.reason} if s.reason else {})} for s in schedules]}
-    if target.npu:
-        from .hexagon import build_npu_library
-
-        with report.step(f"compile NPU kernels ({target.npu.get('name', 'npu')})"):
-            info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
-    (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
-    return info
 
 
 def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:
@@ -353,15 +306,12 @@ def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:
 
 def _verify_mode(target: TargetSpec, verify: bool | None, defined: Defined) -> str | bool:
     """Whether and how the build runs its kernels (part of the cache key: the report says what ran)."""
-    from .execution import AUTO_VERIFY_MAX_BYTES
-
     if verify is None:
         verify = bool(target.verify_kernels)
         if verify and sum(_nbytes(p) for _, p in defined.params) > AUTO_VERIFY_MAX_BYTES:
             return "too-big"
     if not verify or not target.is_gpu:
         return bool(verify)
-    from . import verify_opencl
 
     return "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
 
@@ -369,9 +319,6 @@ def _verify_mode(target: TargetSpec, verify: bool | None, defined: Defined) -> s
 def _record_execution(coverage: dict[str, Any], mod: Any, loaded: Loaded, quant: QuantSpec, target: TargetSpec,
                       schedules: list[Any], verify: Any, report: Reporter) -> None:
     """The coverage report's "executed here" column, from actual runs (see execution.py)."""
-    from . import verify_opencl
-    from .execution import annotate, reference_module, twin_module, verdicts
-
     twin = None
     if verify == "pocl" and verify_opencl.find_opencl_device() is not None:
         with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
@@ -392,22 +339,18 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
          build_info: dict[str, Any], out_root: Path, report: Reporter, request_key: str = "",
          extra_reports: dict[str, str] | None = None) -> Path:
     """Assemble dist/<model>-<quant>-<target>/ in a temp dir and rename it into place."""
-    from .bundle import atomic_dir, tool_versions, write_manifest
-    from .chat_config import chat_config
-    from .report_html import write_coverage_html
-
     name = f"{loaded.spec.name}-{quant.name}-{target.name}"
     final = out_root / name
-    build_key = _digest({"weights": weights.name if weights else None, "lib": build_info["key"],
+    build_key = digest({"weights": weights.name if weights else None, "lib": build_info["key"],
                          "code": source_hash(), "reports": extra_reports or {}, "phone": target.phone})
     if _bundle_current(final, build_key):
         report.info(f"emit: {final} is up to date (build key {build_key})")
         return final
     with atomic_dir(final) as tmp:
         (tmp / "lib").mkdir()
-        _link_or_copy(lib_dir / build_info["library"], tmp / "lib" / build_info["library"])
+        link_or_copy(lib_dir / build_info["library"], tmp / "lib" / build_info["library"])
         if build_info.get("npu_library"):
-            _link_or_copy(lib_dir / build_info["npu_library"], tmp / "lib" / build_info["npu_library"])
+            link_or_copy(lib_dir / build_info["npu_library"], tmp / "lib" / build_info["npu_library"])
         (tmp / "reports").mkdir()
         shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
         for name in ("coverage.json", "coverage.md"):
@@ -418,7 +361,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         write_coverage_html(tmp / "reports")   # reports/coverage.html: coverage + memory plan, self-contained
         if weights is not None:
             for f in sorted(weights.iterdir()):
-                _link_or_copy(f, tmp / f.name)
+                link_or_copy(f, tmp / f.name)
         tokenizer_files = []
         if loaded.checkpoint:
             try:
@@ -442,10 +385,6 @@ def choose_formats(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report:
                    calibration: Any = None) -> tuple[QuantSpec, dict[str, str]]:
     """QUANT=auto: per-role formats that fit the phone (see auto_quant.py); the plan is printed and saved.
     With a calibration, each role's error is its layers' output error on the calibration text."""
-    import dataclasses
-
-    from .auto_quant import auto_markdown, plan_auto
-
     result = plan_auto(loaded.hf_config, phone=target.phone, context=int(quant.auto_context),
                        compute_dtype=quant.activation_dtype(target), prefill_chunk=loaded.decoder.prefill_chunk_size,
                        ckpt=loaded.checkpoint, model_name=loaded.spec.name, calibration=calibration,
@@ -460,8 +399,6 @@ def choose_formats(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report:
 def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, build_info: dict[str, Any],
                        out: Path, report: Reporter) -> None:
     """Memory / bandwidth plan for the target's phone (weights, KV at several contexts, activations)."""
-    from .memory_plan import memory_plan, modes_for_scheme, plan_markdown
-
     scheme, group_modes = modes_for_scheme(quant.weight_format, quant.weight_dtype, quant.formats)
     try:
         plan = memory_plan(loaded.hf_config, quant=scheme, group_modes=group_modes,
@@ -490,12 +427,6 @@ def _bundle_current(final: Path, key: str, field: str = "build_key") -> bool:
                for f in data.get("files", []))
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-
 
 # ------------------------------------------------------------------------------------- pipeline
 @dataclass
@@ -521,17 +452,14 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
     def text(path: Path | None):
         return path.read_text() if path else None
 
-    from .tuning import database_digest
 
-    return _digest({"model": text(model.path), "hf": model.hf_config, "weights": stat(model.weights),
+    return digest({"model": text(model.path), "hf": model.hf_config, "weights": stat(model.weights),
                     "quant": text(quant.path), "target": text(target.path), "code": source_hash(),
                     "versions": tvm_versions(), "tuning": database_digest(target.name)})
 
 
 def _with_calibration(quant: QuantSpec, calibration: str | None) -> QuantSpec:
     """The scheme with its calibration text replaced (--calibration), checked like the YAML entry."""
-    import dataclasses
-
     if calibration is None:
         return quant
     if calibration in ("none", "off"):
@@ -549,11 +477,6 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`).
     `calibration`: none | builtin | a text file, replacing the scheme's calibration text (see calibrate.py).
     `kv_cache`: auto | float16 | float32, replacing the scheme's KV-cache precision."""
-    import dataclasses
-
-    from .config import load_phone
-    from .onnx_graph import build_graph, check_quant, emit_graph, is_onnx
-
     report = report or Reporter()
     t0 = time.time()
     target_spec = load_target(target)
@@ -563,10 +486,9 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     if kv_cache is not None:   # checked like the YAML entry (QuantSpec.__post_init__)
         quant_spec = dataclasses.replace(quant_spec, kv_cache=kv_cache)
     model_spec = load_model(model, weights)
-    from .force_cpu import reasons
 
     forced = reasons(target_spec, force_cpu)   # an unknown op class fails here, before any work
-    req = _digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify,
+    req = digest([request_key(model_spec, quant_spec, target_spec), target_spec.phone, forced, verify,
                    *([quant_spec.calibration_spec.identity() if quant_spec.calibration_spec else None]
                      if calibration is not None else []), *([kv_cache] if kv_cache is not None else [])])
     final = Path(out) / f"{model_spec.name}-{quant_spec.name}-{target_spec.name}"

@@ -11,9 +11,9 @@ import copy
 import numpy as np
 import torch
 
-from pipeline.convert import FUSED
-from pipeline.quantize import dequantize_q4, dequantize_q8
-from pipeline.tensor_cache import read_tensor_cache
+from pipeline.artifacts.tensor_cache import read_tensor_cache
+from pipeline.quant.convert import FUSED
+from pipeline.quant.quantize import dequantize_q4, dequantize_q8
 
 
 def dequantized_tensors(bundle) -> dict[str, np.ndarray]:

@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from pipeline.auto_quant import auto_markdown, plan_auto
 from pipeline.config import load_model, load_phone
 from pipeline.errors import ConfigError
+from pipeline.quant.auto_plan import auto_markdown, plan_auto
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_qwen27b_on_a_16gb_phone_needs_a_ternary_role(qwen27b):
     assert result["weighted_error"] > result["weighted_error_all_q4"]
     assert "Warning:** post-training ternary (t3) / binary (b1) for " in auto_markdown(result)
     # the downgrades were needed: undoing any one of them breaks the budget
-    from pipeline.memory_plan import memory_plan, modes_for_scheme
+    from pipeline.quant.memory_plan import memory_plan, modes_for_scheme
 
     for role in result["ternary_roles"]:
         mode, groups = modes_for_scheme("q4", "float16", {**result["formats"], role: "q4"})
@@ -68,7 +68,7 @@ def test_qwen27b_fits_a_12gb_iphone_only_with_a_binary_role(qwen27b):
     text = auto_markdown(result)
     assert "| b1 | 1.125 |" in text and f"{binary[0]} (b1)" in text and "Warning:**" in text
     # the plan's weights are what memory_plan counts for those formats (b1 rows: ceil(K/32) words + scales)
-    from pipeline.memory_plan import memory_plan, modes_for_scheme
+    from pipeline.quant.memory_plan import memory_plan, modes_for_scheme
 
     mode, groups = modes_for_scheme("q4", "float16", result["formats"])
     plan = memory_plan(qwen27b, quant=mode, group_modes=groups, compute_dtype="float16", contexts=(8192,),
@@ -90,7 +90,7 @@ def test_qwen27b_refused_on_an_8gb_iphone(qwen27b):
 
 
 def test_gqa_weighting_counts_kv_rows_per_query_head(qwen27b):
-    from pipeline.auto_quant import role_weights
+    from pipeline.quant.auto_plan import role_weights
 
     w = role_weights(qwen27b)
     t = qwen27b["text_config"]
@@ -120,7 +120,7 @@ def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory, room):
     if room == "some upgrades":   # between the first upgrade and everything upgraded: q8/float and q4 roles
         budget = (unlimited["steps"][0]["total_bytes"] + unlimited["steps"][-1]["total_bytes"]) / 2 / 1e9
     else:                         # halfway between t3 and q4 everywhere: some roles t3
-        from pipeline.memory_plan import memory_plan, modes_for_scheme
+        from pipeline.quant.memory_plan import memory_plan, modes_for_scheme
 
         def everywhere(fmt):
             mode, groups = modes_for_scheme("q4", "float16", {r: fmt for r in unlimited["formats"]})
@@ -155,9 +155,9 @@ def test_calibrated_eps_is_output_error(tmp_path_factory):
     weight-space error. q8 is far below q4 either way."""
     from test_model_numerics import tiny_hf_model
 
-    from pipeline.auto_quant import measured_eps
-    from pipeline.calibrate import Calibration, CalibrationSpec
-    from pipeline.load import open_checkpoint
+    from pipeline.frontend.checkpoint import open_checkpoint
+    from pipeline.quant.auto_plan import measured_eps
+    from pipeline.quant.calibrate import Calibration, CalibrationSpec
 
     folder, _ = tiny_hf_model(tmp_path_factory.mktemp("eps"), "qwen3")
     ckpt = open_checkpoint(folder)
@@ -182,9 +182,9 @@ def test_calibrated_plan_predicts_kl_and_keeps_the_measurement(tmp_path_factory,
     budget) does not run the model again."""
     from test_model_numerics import tiny_hf_model
 
-    import pipeline.calibrate as calibrate
-    from pipeline.calibrate import Calibration, CalibrationSpec
-    from pipeline.load import open_checkpoint
+    import pipeline.quant.calibrate as calibrate
+    from pipeline.frontend.checkpoint import open_checkpoint
+    from pipeline.quant.calibrate import Calibration, CalibrationSpec
 
     folder, _ = tiny_hf_model(tmp_path_factory.mktemp("kl"), "llama", num_hidden_layers=2)
     ckpt = open_checkpoint(folder)

@@ -144,9 +144,9 @@ def test_auto_budgets_give_different_plans():
     (host-cpu compute dtype, the model's prefill chunk, cost = predicted KL from the calibration)."""
     import yaml
 
-    from pipeline.auto_quant import plan_auto
-    from pipeline.calibrate import Calibration
     from pipeline.config import load_model, load_quant, load_target
+    from pipeline.quant.auto_plan import plan_auto
+    from pipeline.quant.calibrate import Calibration
     from pipeline.stages import load
 
     cfg = yaml.safe_load(q.CONFIG.read_text())

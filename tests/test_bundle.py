@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bundle import atomic_dir, tool_versions, verify_manifest, write_manifest
+from pipeline.artifacts.bundle import atomic_dir, tool_versions, verify_manifest, write_manifest
 from pipeline.errors import PipelineError, WeightsError
 
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import gptq
-from pipeline.calibrate import Calibration, CalibrationSpec, module_for_param, token_windows
 from pipeline.errors import ConfigError
-from pipeline.load import open_checkpoint
-from pipeline.quantize import dequantize_q4, quantize_q4
+from pipeline.frontend.checkpoint import open_checkpoint
+from pipeline.quant import gptq
+from pipeline.quant.calibrate import Calibration, CalibrationSpec, module_for_param, token_windows
+from pipeline.quant.quantize import dequantize_q4, quantize_q4
 
 
 def correlated_inputs(k: int, n: int = 4096, seed: int = 0) -> np.ndarray:
@@ -135,7 +135,7 @@ def _reference_moments(model, ids: np.ndarray) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("keep_all", [True, False])
 def test_streamed_statistics_match_transformers(tiny_llama, keep_all, monkeypatch):
     """Pass 1 alone (small models) and pass 1 + per-layer reruns (big ones) give transformers' numbers."""
-    import pipeline.calibrate as calibrate
+    import pipeline.quant.calibrate as calibrate
 
     folder, model = tiny_llama
     if not keep_all:
@@ -182,7 +182,7 @@ def test_parameters_map_to_their_input_module():
 def test_calibrated_conversion_is_block_size_independent(tiny_llama):
     """Calibrated conversion streams like round-to-nearest: a few rows at a time give the same bytes."""
     from pipeline.config import load_model, load_quant, load_target
-    from pipeline.convert import iter_converted
+    from pipeline.quant.convert import iter_converted
     from pipeline.stages import define, load
 
     folder, _ = tiny_llama

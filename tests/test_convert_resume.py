@@ -15,9 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.convert import hf_sources
 from pipeline.progress import Reporter
-from pipeline.resumable import FAIL_ENV, FAIL_EXIT_CODE, JOURNAL, convert_weights, param_nbytes, partial_dir
+from pipeline.quant.convert import hf_sources
+from pipeline.quant.resumable import (
+    FAIL_ENV,
+    FAIL_EXIT_CODE,
+    JOURNAL,
+    convert_weights,
+    param_nbytes,
+    partial_dir,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP = 8192          # small shards: the tiny model spreads over many of them, big and packed ones alike

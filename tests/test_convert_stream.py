@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.convert import QUANT_SUFFIXES, _load_source, iter_converted
-from pipeline.load import open_checkpoint
-from pipeline.quantize import quantize_q4, tile_kn
+from pipeline.frontend.checkpoint import open_checkpoint
+from pipeline.quant.convert import QUANT_SUFFIXES, _load_source, iter_converted
+from pipeline.quant.quantize import quantize_q4, tile_kn
 
 
 def _whole_tensor_reference(ckpt, params, layout, tied):

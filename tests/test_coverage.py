@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.coverage import coverage_report, write_coverage
+from pipeline.report.coverage import coverage_report, write_coverage
 
 LAYERS = 3
 SMALL = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
@@ -188,7 +188,7 @@ def test_a_gather_counts_only_the_gathered_rows_of_its_tables():
     (read, then written) plus the indices — not the scales table's megabytes."""
     from tvm import te
 
-    from pipeline.coverage import _cost
+    from pipeline.report.coverage import _cost
 
     vocab, dim, seq = 4096, 256, 1
     ids = te.placeholder((seq,), "int32", name="ids")

@@ -7,7 +7,7 @@ import pytest
 import tvm
 
 from pipeline.config import load_target
-from pipeline.cpu_argmax import LANES, argmax_kernel
+from pipeline.kernels.cpu.argmax import LANES, argmax_kernel
 
 
 @pytest.mark.parametrize("n", [LANES, 37, 49152 + 5])      # one vector; a scalar tail; a vocab with a tail

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tvm
 
-from pipeline import cpu_attention as ca
+from pipeline.kernels.cpu import attention as ca
 
 H_KV, H_Q, D, PAGE = 3, 9, 64, 16
 SM = 1 / math.sqrt(D)
@@ -292,7 +292,7 @@ def test_host_builds_use_them():
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and str(f.attrs.get("mlp.kernel")) == "cpu_attention"}
     assert set(ours) == set(ca.REPLACEMENTS)
     # the decode kernel prefetches the next page on x86 only (the android-* system-lib builds cannot take it)
-    from pipeline.cpu_schedule import _has_avx2
+    from pipeline.kernels.cpu.schedule import _has_avx2
 
     assert ("llvm.prefetch" in ours["batch_decode_paged_kv_cpu"].script()) == _has_avx2(target.tvm())
     phone = load_target("android-cpu")

@@ -18,8 +18,8 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from pipeline.cpu_regions import _barriered, split_kernel
-from pipeline.runner import Bundle
+from pipeline.kernels.cpu.regions import _barriered, split_kernel
+from pipeline.runtime.runner import Bundle
 
 STEPS = 6
 
@@ -38,7 +38,7 @@ def tiny_qwen3(folder):
 
 def unmerged_library(model: str, out_dir, quant: str = "q4f16") -> str:
     """The same model's host-cpu library without the merge: the stages up to compile, by hand."""
-    from pipeline.compile import attach_metadata, build_library
+    from pipeline.compiler.compile import attach_metadata, build_library
     from pipeline.config import load_model, load_quant, load_target
     from pipeline.stages import define, fuse, load, tune
 
@@ -72,8 +72,8 @@ def merged_bundle(tmp_path_factory, build_bundle):
 
 
 def test_merged_decode_is_bit_identical(merged_bundle, tmp_path):
-    from pipeline.engine import Engine
-    from pipeline.tensor_cache import iter_tensor_cache
+    from pipeline.artifacts.tensor_cache import iter_tensor_cache
+    from pipeline.runtime.engine import Engine
 
     folder, bundle = merged_bundle
     coverage = json.loads((bundle / "reports" / "coverage.json").read_text())
@@ -112,7 +112,7 @@ def test_merged_decode_at_other_thread_counts(merged_bundle, threads):
     prompt = np.random.default_rng(0).integers(0, 512, 24)
     expected = decode_logits(Bundle(bundle).engine(), prompt)
     script = ("import sys, numpy as np; sys.path.insert(0, sys.argv[2]);"
-              "from test_cpu_regions import decode_logits; from pipeline.runner import Bundle;"
+              "from test_cpu_regions import decode_logits; from pipeline.runtime.runner import Bundle;"
               "prompt = np.random.default_rng(0).integers(0, 512, 24);"
               "np.save(sys.argv[3], decode_logits(Bundle(sys.argv[1]).engine(), prompt))")
     out = bundle.parent / f"logits-{threads}.npy"

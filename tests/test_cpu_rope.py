@@ -12,7 +12,7 @@ import pytest
 import tvm
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 
-from pipeline import cpu_rope
+from pipeline.kernels.cpu import rope as cpu_rope
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

@@ -11,11 +11,11 @@ import pytest
 import tvm
 from tvm import te, tirx
 
-from pipeline import cpu_gemv
 from pipeline.config import load_target
-from pipeline.coverage import classify
-from pipeline.cpu_schedule import CPUInlineParallel, _has_avx2, _has_vnni
+from pipeline.kernels.cpu import gemv as cpu_gemv
+from pipeline.kernels.cpu.schedule import CPUInlineParallel, _has_avx2, _has_vnni
 from pipeline.models.layers import dequantize_q8_te, dequantize_te
+from pipeline.op_classes import classify
 
 K, N = 96, 72   # K: 3 groups of 32; N: 3 prefill tiles
 
@@ -70,8 +70,8 @@ def test_prefill_tiles_dequantize_once_per_tile(layout, bits):
 
 def _prompt_matmul(fmt: str, k: int, n: int, relax_order: bool):
     """A prompt's rows (symbolic) times KN codes of `fmt` (q4, q8, t2, b1)."""
-    from pipeline import ternary as tern
     from pipeline.models.layers import dequantize_ternary_te
+    from pipeline.quant import ternary as tern
 
     rows = tirx.Var("seq_len", "int64")
     x = te.placeholder((1, rows, k), "float32", name="x")
@@ -99,7 +99,7 @@ def test_prefill_kn_matmul_is_the_hand_written_kernel(fmt, k, n, relax_order):
     """A prompt times KN codes becomes cpu_prefill's kernel (rows four at a time over a dequantized tile,
     the rest one at a time): the fused TE's outputs up to fp32 summation order, for row counts below, at
     and past the register tile (t2 with K = 192: a short last group of 64)."""
-    from pipeline.cpu_gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
 
     func = _prompt_matmul(fmt, k, n, relax_order)
     assert match_packed_kn_gemv(func, rows="prompt")[0] == fmt and match_packed_kn_gemv(func) is None
@@ -145,7 +145,7 @@ def test_float_gemv_is_the_hand_written_kernel(weight_dtype, relax_order, monkey
     """q0f16 / q0f32 decode GEMVs without an epilogue: cpu_gemv.float_nt_gemv (4 rows at a time, the rows
     ahead prefetched), declared a gemv, with the function's own parameter order; same result as the
     unscheduled function up to fp32 reassociation."""
-    import pipeline.cpu_schedule as cs
+    import pipeline.kernels.cpu.schedule as cs
 
     monkeypatch.setattr(cs, "SERIAL_WORK", 1)     # this test's 72 x 96 GEMV is below the fork-join size
     func = _float_gemv_func(weight_dtype, relax_order=relax_order)
@@ -159,7 +159,7 @@ def test_float_gemv_is_the_hand_written_kernel(weight_dtype, relax_order, monkey
 
 def test_float_gemv_below_the_fork_join_size_is_left_to_the_schedules():
     """A GEMV smaller than SERIAL_WORK multiply-adds is not worth two threads: not the hand-written kernel."""
-    from pipeline.cpu_gemv import match_float_nt_gemv
+    from pipeline.kernels.cpu.gemv import match_float_nt_gemv
 
     func = _float_gemv_func("float16")
     assert match_float_nt_gemv(func, min_work=N * K + 1) is None
@@ -171,7 +171,7 @@ def test_float_gemv_splits_k_into_vector_partial_sums(weight_dtype, bias, monkey
     """q0f16 / q0f32 decode GEMVs the hand-written kernel does not take (a bias-add epilogue; any, called
     directly): K split into FLOAT_LANES partial sums (rfactor), the weight's cast inlined and a bias add done
     per output tile, same result as the unscheduled function (fp32 reassociation only)."""
-    import pipeline.cpu_schedule as cs
+    import pipeline.kernels.cpu.schedule as cs
 
     monkeypatch.setattr(cs, "SERIAL_WORK", 1)     # this test's 72 x 96 GEMV is below the fork-join size
     func = _float_gemv_func(weight_dtype, bias=bias)
@@ -186,7 +186,7 @@ def test_float_gemv_splits_k_into_vector_partial_sums(weight_dtype, bias, monkey
 
 def test_float_gemv_leaves_weights_read_across_k_alone(monkeypatch):
     """W[k, n] read along K would gather: not split (the general path handles it)."""
-    import pipeline.cpu_schedule as cs
+    import pipeline.kernels.cpu.schedule as cs
 
     monkeypatch.setattr(cs, "SERIAL_WORK", 1)
     func = _float_gemv_func("float32", k_last=False)
@@ -238,7 +238,7 @@ def _q4_gemv_func(n: int, relax_order: bool):
 def test_decode_q4_gemv_is_the_hand_written_kernel(n, relax_order):
     """The one-token KN q4 GEMV becomes cpu_gemv's kernel (codes masked in place against prescaled x, group
     sums of x, vector-typed tiles): the same outputs as the fused TE up to fp32 summation order."""
-    from pipeline.cpu_gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
 
     func = _q4_gemv_func(n, relax_order)
     assert match_packed_kn_gemv(func) is not None
@@ -261,7 +261,7 @@ def test_decode_q4_gemv_takes_int16_dot_products_on_avx2(n, threads, monkeypatch
     """With AVX2 (host-cpu's -mcpu here) the q4 GEMV is the pmaddwd kernel: x quantized per group of 32 to
     int16, so the result matches the fp32 TE within 2^-15 of each group's largest |x| times the weights'
     magnitude — measured ~2e-5 relative; bounded here at 2e-4 of the largest output."""
-    from pipeline.cpu_gemv import k_splits
+    from pipeline.kernels.cpu.gemv import k_splits
 
     monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
     assert k_splits(n, K, threads) == threads
@@ -277,7 +277,7 @@ def test_decode_q4_gemv_takes_int16_dot_products_on_avx2(n, threads, monkeypatch
 
 def test_hand_written_gemv_only_replaces_its_own_pattern():
     """NK codes and a prompt's rows keep the schedules (their functions are not that GEMV)."""
-    from pipeline.cpu_gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
 
     for bits in (4, 8):
         assert match_packed_kn_gemv(_dequant_matmul("NK", bits, 1)) is None
@@ -303,8 +303,8 @@ def test_decode_q8_gemv_is_the_hand_written_kernel(threads, monkeypatch):
 
 def _t2_gemv_func(k: int, n: int = 48, fmt: str = "t2"):
     """One token times KN ternary t2 (or binary b1) codes, as layers' fused TE."""
-    from pipeline import ternary as tern
     from pipeline.models.layers import dequantize_ternary_te
+    from pipeline.quant import ternary as tern
 
     x = te.placeholder((1, 1, k), "float32", name="x")
     w = te.placeholder((tern.packed_len(fmt, k), n), "uint32", name="w")
@@ -367,7 +367,7 @@ def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monke
 def test_decode_t2_gemv_is_the_hand_written_kernel(k, fmt):
     """Ternary t2 (16 two-bit codes per word, (code - 1) * scale per 128): the same kernel with 2-bit fields;
     binary b1 (32 sign bits per word, (2 bit - 1) * scale): with 1-bit fields and a step of 2."""
-    from pipeline.cpu_gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
 
     func = _t2_gemv_func(k, fmt=fmt)
     assert match_packed_kn_gemv(func)[0] == fmt
@@ -453,7 +453,7 @@ def _q8_tiled_func(n: int, k: int, rows=1, tile: int = 16):
 
 
 def _tiled_inputs(n: int, k: int, rows: int, seed: int = 0, tile: int = 16):
-    from pipeline.quantize import tile_q8
+    from pipeline.quant.quantize import tile_q8
 
     rng = np.random.default_rng(seed)
     codes = rng.integers(-127, 128, (k, n)).astype(np.int8)
@@ -528,7 +528,7 @@ def test_prefill_q8_matmul_over_tiled_codes(kind, n, k, rows):
 
 def test_tiled_q8_codes_need_whole_tiles():
     """Only codes that are exactly tile_q8's shape of the [K, N] weight are taken as tiled."""
-    from pipeline.cpu_gemv import q8_tile_of
+    from pipeline.kernels.cpu.gemv import q8_tile_of
 
     assert q8_tile_of((6, 48, 32), 96, 96) == 16
     assert q8_tile_of((6, 48, 32), 80, 96) == 0 and q8_tile_of((6, 47, 32), 96, 96) == 0
@@ -538,8 +538,8 @@ def test_tiled_q8_codes_need_whole_tiles():
 def _packed_tiled_func(fmt: str, n: int, k: int, tile: int, rows=1):
     """x [1, rows, k] times q4 / t2 codes and scales stored tiled (quantize.tile_kn, host-cpu's storage), as
     layers' TE."""
-    from pipeline import ternary as tern
     from pipeline.models.layers import dequantize_ternary_te
+    from pipeline.quant import ternary as tern
 
     x = te.placeholder((1, rows, k), "float32", name="x")
     words, groups = (k // 8, k // 32) if fmt == "q4" else (tern.packed_len("t2", k), tern.n_groups(k))
@@ -557,8 +557,8 @@ def _packed_tiled_func(fmt: str, n: int, k: int, tile: int, rows=1):
 def _packed_tiled_inputs(fmt: str, n: int, k: int, tile: int, rows: int, seed: int = 0):
     """Tiled codes / scales and x, and numpy's product on the plain KN codes (quantize.dequantize_q4 /
     ternary.dequantize_ternary)."""
-    from pipeline import ternary as tern
-    from pipeline.quantize import dequantize_q4, tile_kn
+    from pipeline.quant import ternary as tern
+    from pipeline.quant.quantize import dequantize_q4, tile_kn
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, rows, k)).astype("float32")
@@ -674,7 +674,7 @@ def test_prefill_matmul_over_tiled_codes(kind, fmt, n, k, tile, rows):
 def test_tiled_q4_codes_need_whole_tiles_and_tiled_scales():
     """Only codes and scales that are exactly tile_kn's shapes of the [K, N] weight, in at least two tiles,
     are taken as tiled; anything else keeps the schedules (or the KN kernels for plain KN codes)."""
-    from pipeline.cpu_gemv import TILED_Q4, TILED_T2, match_packed_kn_gemv
+    from pipeline.kernels.cpu.gemv import TILED_Q4, TILED_T2, match_packed_kn_gemv
 
     assert match_packed_kn_gemv(_packed_tiled_func("q4", 96, 64, 24))[0] == TILED_Q4
     assert match_packed_kn_gemv(_packed_tiled_func("t2", 96, 576, 24))[0] == TILED_T2
@@ -776,7 +776,7 @@ def test_prompt_elementwise_runs_whole_vectors_per_task():
     """An elementwise prompt kernel (SiLU * up): rows and vector blocks of the last axis in parallel, each
     block one 8-lane vector (fused into one flat loop, its div / mod indexing kept LLVM scalar: the prefill's
     SiLU took 10% of a 0.32B model's 128-token prefill); same values."""
-    from pipeline.fast_math import rewrite_func
+    from pipeline.kernels.cpu.fast_math import rewrite_func
 
     func = rewrite_func(_silu_multiply_func(tirx.Var("seq_len", "int64")))
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
@@ -793,7 +793,7 @@ def test_integer_gemvs_prefetch_the_next_group_only_when_near(kind, fmt, splits,
     """The integer GEMVs prefetch the next group's code rows of their tile (the task's own next group: a part
     of K ends at its last) when a group of rows spans at most PREFETCH_MAX_AHEAD bytes, never for a 49152-wide
     lm_head; the prefetch changes no result (bit-identical to the same kernel without it)."""
-    from pipeline import cpu_gemv as cg
+    from pipeline.kernels.cpu import gemv as cg
 
     builder = {"int16": cg.packed_kn_gemv_int16, "vnni": cg.packed_kn_gemv_bytes, "q8vnni": cg.q8_kn_gemv_vnni,
                "avx2bytes": lambda *a: cg.packed_kn_gemv_bytes(*a, dot="avx2")}[kind]
@@ -820,7 +820,7 @@ def test_q8_int16_gemv_prefetches_ahead_in_its_rows(splits):
     """The AVX2 q8 GEMV prefetches Q8_INT16_AHEAD columns ahead in the two rows each step reads (clamped to
     the buffer, so near a row's end it re-fetches its last line), for every width; the prefetch changes no
     result (bit-identical to the kernel without it)."""
-    from pipeline import cpu_gemv as cg
+    from pipeline.kernels.cpu import gemv as cg
 
     spec = cg.FORMATS["q8"]
     n, k = 96, 256
@@ -848,7 +848,7 @@ def test_decode_gemv_tasks_keep_their_accumulators_off_the_heap(kind, monkeypatc
     scope="local", TVM allocated the vectors per task with TVMBackendAllocWorkspace and every store to them
     stayed in the loop (SmolLM2 decode 1.16x q4f16, 1.28x q8f16, 1.09x ternary_ptq side by side once they
     were not); a plain scalar assignment (`col = ...`) is such a one-element allocation too."""
-    from pipeline import cpu_schedule as cs
+    from pipeline.kernels.cpu import schedule as cs
 
     monkeypatch.setattr(cpu_gemv, "build_threads", lambda: 2)
     monkeypatch.setattr(cs, "SERIAL_WORK", 1)

@@ -8,8 +8,8 @@ import json
 import pytest
 from test_model_numerics import tiny_hf_model
 
-from pipeline import execution
-from pipeline.verify_opencl import find_opencl_device
+from pipeline.verify import execution
+from pipeline.verify.opencl import find_opencl_device
 
 needs_pocl = pytest.mark.skipif(find_opencl_device() is None, reason="no OpenCL platform (install pocl-opencl-icd)")
 
@@ -55,7 +55,7 @@ def test_adreno_build_runs_its_kernels_on_pocl(tiny_llama, tmp_path):
 
 
 def test_without_opencl_device_nothing_claims_execution(tiny_llama, tmp_path, monkeypatch):
-    import pipeline.verify_opencl as vo
+    import pipeline.verify.opencl as vo
 
     monkeypatch.setattr(vo, "find_opencl_device", lambda: None)
     bundle = _build(tiny_llama, tmp_path / "nodev")
@@ -66,8 +66,8 @@ def test_without_opencl_device_nothing_claims_execution(tiny_llama, tmp_path, mo
 
 
 def test_verdicts_for_other_targets():
+    from pipeline.compiler.schedule import KernelSchedule
     from pipeline.config import load_target
-    from pipeline.tune import KernelSchedule
 
     recs = [KernelSchedule("a", "hvx", True), KernelSchedule("b", "cpu-default", False)]
     out, summary = execution.verdicts(load_target("android-hexagon"), recs, verify=True)

@@ -10,7 +10,7 @@ import numpy as np
 import tvm
 from tvm.script import tirx as T
 
-from pipeline.fast_math import rewrite_func
+from pipeline.kernels.cpu.fast_math import rewrite_func
 
 N = 8192
 

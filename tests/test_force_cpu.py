@@ -13,8 +13,8 @@ import tvm
 from test_model_numerics import tiny_hf_model
 from tvm import relax, te
 
-from pipeline import force_cpu
 from pipeline.cli import main as cli_main
+from pipeline.compiler import force_cpu
 from pipeline.errors import ConfigError
 
 HIDDEN, LAYERS = 128, 2
@@ -121,7 +121,7 @@ def test_device_copies_keep_numerics():
     moved = force_cpu._to_host(mod, funcs, ["pinned"], target)
     text = moved["main"].script()
     assert text.count("R.to_vdevice") == 3
-    from pipeline.compile import lowering_pipeline
+    from pipeline.compiler.compile import lowering_pipeline
 
     vm = relax.VirtualMachine(relax.build(moved, target, relax_pipeline=lowering_pipeline(target)),
                                 [tvm.cpu(), tvm.cpu()])   # like [GPU, host CPU] on a phone
@@ -133,7 +133,7 @@ def test_device_copies_keep_numerics():
 
 def test_hexagon_force_leaves_npu():
     """On the NPU target a forced class leaves the NPU (placement only; the CPU library has every kernel)."""
-    from pipeline.tune import KernelSchedule
+    from pipeline.compiler.schedule import KernelSchedule
 
     rec = [KernelSchedule("rms_norm", "hvx", True, "HVX: compiled, not executed")]
     mod = tvm.IRModule({"rms_norm": _norm_func()})
@@ -153,8 +153,8 @@ def _norm_func():
 
 def test_runtime_driven_kernels_cannot_be_pinned_on_gpu():
     """Paged-KV attention runs inside the runtime's KV cache on GPU buffers: pinning it is a one-line error."""
+    from pipeline.compiler.schedule import KernelSchedule
     from pipeline.config import load_target
-    from pipeline.tune import KernelSchedule
 
     rec = [KernelSchedule("batch_decode_paged_kv", "library", True)]
     mod = tvm.IRModule({"batch_decode_paged_kv": _norm_func()})

@@ -208,11 +208,11 @@ def test_gpu_build_guarded_columns():
 
 
 def _pocl():
-    from pipeline.verify_opencl import find_opencl_device
+    from pipeline.verify.opencl import find_opencl_device
 
     if find_opencl_device() is None:
         pytest.skip("no OpenCL platform found (install pocl-opencl-icd)")
-    from pipeline.verify_opencl import opencl_kernels, run_on_pocl
+    from pipeline.verify.opencl import opencl_kernels, run_on_pocl
 
     return opencl_kernels, run_on_pocl
 

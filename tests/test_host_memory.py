@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pipeline.host_memory import ALIGN, HugePageArena
+from pipeline.runtime.host_memory import ALIGN, HugePageArena
 
 
 def test_place_copies_exactly_and_aligned():
@@ -81,7 +81,7 @@ def test_engine_places_host_arrays_and_keeps_tvm_tensors():
 
     import tvm
 
-    from pipeline.engine import Engine
+    from pipeline.runtime.engine import Engine
 
     engine = SimpleNamespace(arena=HugePageArena(), device=tvm.cpu())
     made = tvm.runtime.tensor(np.ones((2, 3), np.float16))
@@ -109,7 +109,7 @@ def test_empty_arrays_are_used_in_place():
 
 def test_tensor_cache_reads_into_the_arena(tmp_path):
     """iter_tensor_cache(allocate=arena.empty) gives the same arrays as the plain read, in the arena's memory."""
-    from pipeline.tensor_cache import TensorCacheWriter, iter_tensor_cache
+    from pipeline.artifacts.tensor_cache import TensorCacheWriter, iter_tensor_cache
 
     rng = np.random.default_rng(3)
     tensors = {"a": rng.standard_normal((5, 7)).astype(np.float16),

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.runner import Bundle
+from pipeline.runtime.runner import Bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253]
 
 CHILD = """
 import json, sys
-from pipeline.lean_runtime import enter_runtime_process
+from pipeline.runtime.lean import enter_runtime_process
 first = enter_runtime_process()
 second = enter_runtime_process()
 import numpy as np
 import tvm.base
-from pipeline.runner import Bundle
+from pipeline.runtime.runner import Bundle
 bundle = Bundle(sys.argv[1])
 engine = bundle.engine()
 tokens = [int(np.argmax(engine.prefill({prompt})))]
@@ -54,7 +54,7 @@ def test_runtime_process_matches_the_full_process(build_bundle):
 def test_no_effect_once_tvm_is_loaded():
     import tvm  # noqa: F401
 
-    from pipeline.lean_runtime import enter_runtime_process
+    from pipeline.runtime.lean import enter_runtime_process
 
     assert enter_runtime_process() is False
     assert sys.modules.get("torch", "absent") is not None      # torch was not hidden here

@@ -1,4 +1,4 @@
-"""pipeline.load: HF safetensors folders and GGUF files -> HF-named float32 tensors + HF config."""
+"""pipeline.frontend.checkpoint: HF safetensors folders and GGUF files -> HF-named float32 tensors + HF config."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pipeline.errors import ConfigError, PipelineError, WeightsError
-from pipeline.load import Checkpoint, open_checkpoint, smollm2_gguf_path
+from pipeline.frontend.checkpoint import Checkpoint, open_checkpoint, smollm2_gguf_path
 
 # ------------------------------------------------------------------------------------------------------------
 # helpers

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.memory_plan import memory_plan, plan_markdown
+from pipeline.quant.memory_plan import memory_plan, plan_markdown
 
 HF = Path(__file__).resolve().parent.parent / "configs" / "models" / "hf"
 PHONE_8G3 = {"name": "Snapdragon 8 Gen 3", "ram_gb": 16, "app_budget_gb": 12, "bandwidth_gbs": 76.8}
@@ -229,7 +229,7 @@ def test_plan_bytes_equal_the_compiled_models_parameters(qwen27b, quant):
 
     from pipeline import stages
     from pipeline.config import ModelSpec, load_quant, load_target
-    from pipeline.memory_plan import modes_for_scheme
+    from pipeline.quant.memory_plan import modes_for_scheme
 
     text = {**qwen27b["text_config"], "num_hidden_layers": 4,
             "layer_types": qwen27b["text_config"]["layer_types"][:4]}

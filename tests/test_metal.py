@@ -61,7 +61,7 @@ def test_simt_matmul_on_metal():
     import tvm
     from tvm import te
 
-    from pipeline.tune import schedule_module
+    from pipeline.compiler.schedule import schedule_module
 
     a = te.placeholder((1, 128, 128), "float16", name="a")
     b = te.placeholder((128, 128), "float16", name="b")
@@ -80,7 +80,7 @@ def test_tensorized_kernel_with_system_lib_prefix_is_a_one_line_error():
     import tvm
     from tvm.script import tirx as T
 
-    from pipeline.compile import build_library
+    from pipeline.compiler.compile import build_library
     from pipeline.errors import CompileError
 
     @T.prim_func(private=True)

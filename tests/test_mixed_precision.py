@@ -17,8 +17,8 @@ import torch
 from bundle_weights import bundle_reference
 
 from pipeline.config import load_quant
-from pipeline.quantize import dequantize_q8, quantize_q8
-from pipeline.runner import Bundle
+from pipeline.quant.quantize import dequantize_q8, quantize_q8
+from pipeline.runtime.runner import Bundle
 
 
 @pytest.mark.parametrize("layout", ["NK", "KN"])
@@ -38,7 +38,7 @@ def test_q8_round_trip_within_half_a_step(layout):
 def test_q8_tiles_round_trip():
     """host-cpu's tiled q8 codes (quantize.tile_q8): element [t, i, 2 j + r] is KN code [2 i + r, 16 t + j];
     untiling gives the KN codes back and dequantize_q8 reads either form alike; shapes that do not tile refuse."""
-    from pipeline.quantize import tile_q8, untile_q8
+    from pipeline.quant.quantize import tile_q8, untile_q8
 
     w = np.random.default_rng(1).normal(0, 0.05, (48, 64)).astype(np.float32)   # N = 48, K = 64
     codes, scale = quantize_q8(w, "KN")

@@ -14,8 +14,8 @@ import pytest
 import tvm
 from tvm import tirx
 
-from pipeline.execution import random_args
-from pipeline.verify_opencl import _param_spec, find_opencl_device, opencl_kernels, run_on_llvm, run_on_pocl
+from pipeline.verify.execution import random_args
+from pipeline.verify.opencl import _param_spec, find_opencl_device, opencl_kernels, run_on_llvm, run_on_pocl
 
 pytestmark = pytest.mark.skipif(find_opencl_device() is None, reason="no OpenCL platform (install pocl-opencl-icd)")
 
@@ -70,7 +70,7 @@ def _pick(mod: tvm.IRModule, must: str) -> tuple[str, tirx.PrimFunc]:
 
 @pytest.mark.parametrize("kernel", ["fused_dequantize_q4_kn", "rms_norm"])
 def test_model_kernel_on_pocl_matches_llvm(fused_adreno_module, kernel):
-    from pipeline.tune import schedule_module
+    from pipeline.compiler.schedule import schedule_module
 
     mod, target = fused_adreno_module
     name, func = _pick(mod, kernel)
@@ -97,7 +97,7 @@ KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_
 def test_every_model_kernel_on_pocl(fused_adreno_module):
     """Every kernel of the adreno model (decode and prefill variants, seq_len = 5) that does not need the
     KV cache's runtime tables is scheduled by the target's rules, executed on PoCL and matches LLVM."""
-    from pipeline.tune import schedule_module
+    from pipeline.compiler.schedule import schedule_module
 
     mod, target = fused_adreno_module
     executed, kv_driven, bad = [], [], []

@@ -10,7 +10,7 @@ import pytest
 import torch
 from bundle_weights import bundle_reference
 
-from pipeline.runner import Bundle
+from pipeline.runtime.runner import Bundle
 
 PROMPT_LEN = 32
 DECODE_STEPS = 32
@@ -162,8 +162,8 @@ def test_greedy_step_matches_argmax_of_decode(tmp_path_factory, build_bundle):
     """A CPU library's decode_greedy (embed + decode + argmax in one call, the id back instead of the logits)
     picks the ids numpy's argmax of decode's logits picks, and the reference's; an engine over a library
     without it (GPU targets, older bundles) takes that argmax itself, with the same ids."""
-    from pipeline import engine as engine_module
     from pipeline.models.llama import GREEDY_ENTRY
+    from pipeline.runtime import engine as engine_module
 
     assert engine_module.GREEDY_ENTRY == GREEDY_ENTRY
     folder, model = tiny_hf_model(tmp_path_factory.mktemp("greedy"), "qwen3")

@@ -68,7 +68,7 @@ def test_host_cpu_library_matches_torch(exported, build_bundle, name):
     import tvm
     from tvm import relax
 
-    from pipeline.bundle import verify_manifest
+    from pipeline.artifacts.bundle import verify_manifest
 
     path, model = exported[name]
     bundle = build_bundle(path, "host-cpu", "q0f32")
@@ -104,10 +104,10 @@ def test_adreno_opencl_kernels_run_on_pocl(exported, build_bundle):
     """Every OpenCL kernel of the encoder's adreno build, in graph order on real tensors, vs LLVM and torch."""
     import tvm
 
+    from pipeline.compiler.schedule import schedule_module
     from pipeline.config import load_target
-    from pipeline.onnx_graph import fuse_graph, import_onnx
-    from pipeline.tune import schedule_module
-    from pipeline.verify_opencl import find_opencl_device, run_relax_on_pocl
+    from pipeline.onnx_stages import fuse_graph, import_onnx
+    from pipeline.verify.opencl import find_opencl_device, run_relax_on_pocl
 
     if find_opencl_device() is None:
         pytest.skip("no OpenCL platform (install pocl-opencl-icd)")

@@ -15,7 +15,7 @@ import tvm
 from tvm import te, tirx
 
 from pipeline.errors import CompileError
-from pipeline.verify_opencl import (
+from pipeline.verify.opencl import (
     ADRENO_TARGET,
     find_opencl_device,
     opencl_kernels,

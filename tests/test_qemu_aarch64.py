@@ -22,8 +22,8 @@ import pytest
 import tvm
 from tvm import tirx
 
-from pipeline.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
-from pipeline.verify_opencl import _param_spec, run_on_llvm
+from pipeline.verify.opencl import _param_spec, run_on_llvm
+from pipeline.verify.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian packages {missing_tools()} "
                                 "(qemu-aarch64 and the aarch64 cross gcc/libc; `make system-deps` installs them)")

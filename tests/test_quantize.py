@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pipeline.quantize import dequantize_q4, quantize_q4
+from pipeline.quant.quantize import dequantize_q4, quantize_q4
 
 
 @pytest.mark.parametrize("layout", ["NK", "KN"])
@@ -129,7 +129,7 @@ def test_q4_tiles_round_trip():
     """host-cpu's tiled q4 storage (quantize.tile_kn): element [t, r, j] of the codes (and of the scales) is
     KN [r, tile t + j]; untiling gives them back, dequantize_q4 reads either form alike, and rows that do not
     tile refuse."""
-    from pipeline.quantize import tile_kn, untile_kn
+    from pipeline.quant.quantize import tile_kn, untile_kn
 
     w = np.random.default_rng(2).normal(0, 0.05, (48, 64)).astype(np.float32)   # N = 48, K = 64
     codes, scale = quantize_q4(w, "KN")                                        # [8, 48], [2, 48]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.runner import Bundle
+from pipeline.runtime.runner import Bundle
 
 VOCAB = 512
 PROMPT_LEN = 64
@@ -132,8 +132,8 @@ def test_hybrid_regions_with_views_are_bit_identical(random_model, build_bundle,
     views of the same memory; the same library without the merge gives the same logits to the bit."""
     from test_cpu_regions import decode_logits, unmerged_library
 
-    from pipeline.engine import Engine
-    from pipeline.tensor_cache import iter_tensor_cache
+    from pipeline.artifacts.tensor_cache import iter_tensor_cache
+    from pipeline.runtime.engine import Engine
 
     folder, _ = random_model
     bundle = build_bundle(folder, "host-cpu", "q0f32")
@@ -300,7 +300,7 @@ def test_phone_targets_place_every_hybrid_kernel(random_model, build_bundle, tar
 
 @pytest.mark.slow     # the default Adreno build, its kernels run on PoCL at build time (~65 s): `make test-slow`
 def test_hybrid_adreno_build_runs_its_kernels_on_pocl(random_model, build_bundle):
-    from pipeline.verify_opencl import find_opencl_device
+    from pipeline.verify.opencl import find_opencl_device
 
     if find_opencl_device() is None:
         pytest.skip("no OpenCL platform (install pocl-opencl-icd)")

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.release import (
+from pipeline.commands.release import (
     LIBRARY_SYMBOL,
     Built,
     load_release,
@@ -26,6 +25,7 @@ from pipeline.release import (
     package,
     write_tarball,
 )
+from pipeline.errors import ConfigError, PipelineError
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
@@ -239,7 +239,7 @@ def test_same_model_twice_is_refused(tmp_path):
 
 
 def test_out_folder_is_never_a_foreign_one(tmp_path):
-    from pipeline.release import _check_out
+    from pipeline.commands.release import _check_out
 
     (tmp_path / "dist" / "b").mkdir(parents=True)
     (tmp_path / "mine").mkdir()
@@ -337,7 +337,7 @@ def test_shape_function_stores_are_sorted():
     from one compile to the next; stores that read another store's slot keep their order."""
     import tvm
 
-    from pipeline.compile import sort_shape_stores
+    from pipeline.compiler.compile import sort_shape_stores
 
     mod = tvm.IRModule({"shape_func1": _shape_func([5, 2, 6, 1]), "other": _shape_func([3, 1]),
                         "shape_func2": _shape_func([4, 2, 3], dependent=True)})

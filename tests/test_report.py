@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.coverage import _summary
 from pipeline.errors import PipelineError
-from pipeline.report import diff, fmt_bytes, fmt_num, load_coverage, summarize
-from pipeline.report_html import coverage_html, fmt_dec_bytes
+from pipeline.report.coverage import _summary
+from pipeline.report.html import coverage_html, fmt_dec_bytes
+from pipeline.report.text import diff, fmt_bytes, fmt_num, load_coverage, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_model_numerics import tiny_hf_model
 
-from pipeline.memory_plan import split_rows
+from pipeline.quant.memory_plan import split_rows
 
 LIMIT = 48000   # bytes: the tiny model's vocab tables (2048 rows) exceed it, its other tensors (<= 32 KiB) do not
 VOCAB = 2048
@@ -45,7 +45,7 @@ def _bundles(folder, quant, small_target, out):
 
 
 def _logits(bundle):
-    from pipeline.runner import Bundle
+    from pipeline.runtime.runner import Bundle
 
     engine = Bundle(bundle).engine()
     ids = [0, 5, 341, 342, 683, 682, 684, 1365, 1366, 2047, 1710, 1709]   # rows on both sides of part boundaries

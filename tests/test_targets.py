@@ -59,7 +59,7 @@ def test_unscheduled_gpu_kernel_is_an_error():
     import tvm
     from tvm import te
 
-    from pipeline.tune import schedule_module
+    from pipeline.compiler.schedule import schedule_module
 
     a = te.placeholder((64,), "float32", name="a")
     b = te.compute((64,), lambda i: a[i] * 2.0, name="b")

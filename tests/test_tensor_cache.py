@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pipeline.artifacts.tensor_cache import TensorCacheWriter, iter_records, read_tensor_cache
 from pipeline.errors import WeightsError
-from pipeline.tensor_cache import TensorCacheWriter, iter_records, read_tensor_cache
 
 MiB = 2**20
 SMALL_CAP = 64 * 1024

@@ -20,10 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import ternary as tern
 from pipeline.errors import WeightsError
-from pipeline.quantize import dequantize_q8, quantize_q8
-from pipeline.runner import Bundle
+from pipeline.quant import ternary as tern
+from pipeline.quant.quantize import dequantize_q8, quantize_q8
+from pipeline.runtime.runner import Bundle
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -335,7 +335,7 @@ def _adreno_fused(fmt: str, rotation: int):
 def _kernel_args(func, rng, sizes: dict[str, int], fmt: str) -> list[np.ndarray]:
     from tvm import tirx
 
-    from pipeline.verify_opencl import _param_spec
+    from pipeline.verify.opencl import _param_spec
 
     args = []
     for p in func.params:
@@ -362,8 +362,8 @@ def test_adreno_ternary_kernels_on_pocl(fmt, rotation):
     import tvm
     from tvm import tirx
 
-    from pipeline.tune import schedule_module
-    from pipeline.verify_opencl import (
+    from pipeline.compiler.schedule import schedule_module
+    from pipeline.verify.opencl import (
         _param_spec,
         find_opencl_device,
         opencl_kernels,
@@ -404,7 +404,7 @@ def test_memory_plan_ternary_bits():
     bits/weight."""
     from pathlib import Path
 
-    from pipeline.memory_plan import memory_plan
+    from pipeline.quant.memory_plan import memory_plan
 
     cfg = json.loads((Path(__file__).resolve().parent.parent / "configs" / "models" / "hf" /
                       "qwen3.5-27b.config.json").read_text())

@@ -11,9 +11,10 @@ import pytest
 import tvm
 from tvm import te
 
-from pipeline import tuning
+from pipeline.commands import tune as tune_command
+from pipeline.compiler import tuning
+from pipeline.compiler.schedule import schedule_module
 from pipeline.errors import ConfigError
-from pipeline.tune import schedule_module
 
 KEY = "mlp-test"
 RULES = ("cpu_gemv", "cpu_reduction", "cpu_inline_parallel")
@@ -89,7 +90,7 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="host:port:key"):
         tuning.RPCSpec.parse("localhost:9190")
     with pytest.raises(ConfigError, match="RPC=host:port:key"):
-        tuning.tune("smollm2-135m", "android-adreno")
+        tune_command.tune("smollm2-135m", "android-adreno")
     monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path))
     (tmp_path / "host-cpu" / "tuning").mkdir(parents=True)
     (tmp_path / "host-cpu" / "tuning" / "bad.json").write_text("{")

@@ -30,11 +30,11 @@ def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout, calibrated):
     import tvm
     from tvm.contrib import tvmjs
 
+    from pipeline.artifacts.tensor_cache import read_tensor_cache
     from pipeline.config import load_model, load_quant, load_target
     from pipeline.progress import Reporter
-    from pipeline.quantize import quantize_q4, tile_kn
+    from pipeline.quant.quantize import quantize_q4, tile_kn
     from pipeline.stages import define, load, quantize
-    from pipeline.tensor_cache import read_tensor_cache
 
     folder, state = tiny_llama
     loaded = load(load_model(str(folder)))

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -167,8 +168,6 @@ def gdn_reference(q, k, v, g, beta, state, scale: float | None = None):
 
     Returns ``(o [n, Hv, Dv], final state [Hv, Dk, Dv])`` as float64 arrays.
     """
-    import numpy as np
-
     q, k, v, g, beta = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta))
     s = np.array(state, dtype=np.float64, copy=True)
     n, hk, dk = k.shape

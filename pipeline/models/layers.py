@@ -16,25 +16,16 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from .. import ternary as tern
-
-GROUP = 32          # weights per scale, along the reduction (K) axis
-CODES_PER_WORD = 8  # int4 codes per uint32
-ZERO = 7            # value = (code - 7) * scale, code in [0, 15] (quantize.py chooses the signed scale)
-
-
-def tiled_kn_index(col, row, tile: int) -> tuple:
-    """Where KN q4 / t2 row `row` (a code word row or a scale row) of output column `col` sits in the tiled layout
-    (quantize.tile_kn: [N / tile, rows, tile]) — for TE and TIR expressions alike."""
-    return col // tile, row, col % tile
-
-
-def tile_width(n: int, widest: int) -> int:
-    """The column tile of a KN q4 / t2 weight with `n` outputs under a target's `q4_tile` / `t2_tile`: the widest multiple of 8
-    (a vector of fp32 lanes) up to `widest` that divides n into at least two tiles (the kernels' parallel
-    loop over tiles; one iteration is dropped by TVM and its vector buffers then fail a storage rewrite);
-    0 (plain KN) when none does."""
-    return next((t for t in range(widest - widest % 8, 0, -8) if n % t == 0 and n // t >= 2), 0)
+from pipeline.formats import (  # noqa: F401 - also read as layers.X by tests
+    CODES_PER_WORD,
+    FORMAT_BITS,
+    GROUP,
+    ZERO,
+    tile_width,
+    tiled_kn_index,
+    tiled_q8_index,
+)
+from pipeline.quant import ternary as tern
 
 
 def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
@@ -59,13 +50,6 @@ def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: i
     return te.compute(
         (k, n), lambda kk, nn_: (code(kk, nn_) - tirx.const(ZERO, dtype)) * scl(kk, nn_),
         name=f"dequantize_{layout.lower()}")
-
-
-def tiled_q8_index(col, row, tile: int) -> tuple:
-    """Where KN q8 code [row, col] sits in the tiled layout (quantize.tile_q8): (tile, row pair, byte) — index
-    arithmetic that serves TE and TIR expressions alike (the dequantize below, the tiled gather, the CPU
-    prefill kernel)."""
-    return col // tile, row // 2, col % tile * 2 + row % 2
 
 
 def dequantize_q8_te(codes: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
@@ -319,9 +303,6 @@ class Q4Embedding(nn.Module):
     def lm_head(self, h: Tensor) -> Tensor:
         return op.matmul(h, dequantized_t(self.q_weight, self.q_scale, self.layout, self.dim, self.num,
                                           self.dtype, fmt=self.fmt))
-
-
-FORMAT_BITS = {"q4": 4, "q8": 8}
 
 
 @dataclass

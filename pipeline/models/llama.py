@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tvm import tirx
+from tvm import relax, te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from ..cpu_argmax import argmax_kernel
-from ..cpu_rope import rope_args
-from ..errors import ConfigError
-from .layers import LayerFactory
+from pipeline.errors import ConfigError
+from pipeline.kernels.cpu.argmax import argmax_kernel
+from pipeline.kernels.cpu.rope import rope_args
+from pipeline.models.layers import LayerFactory
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -335,22 +335,16 @@ class DecoderLM(nn.Module):
 
 
 def _shape_expr(values):
-    from tvm import relax
-
     return relax.ShapeExpr(values)
 
 
 def _empty_ext_factors():
     """No long-RoPE factors: the runtime checks for an undefined tensor, so pass a plain 0."""
-    from tvm import relax
-
     return relax.prim_value(0)
 
 
 def _last_token(h: Tensor) -> Tensor:
     """[b, s, d] -> [b, 1, d]: the hidden state of the chunk's last position."""
-    from tvm import te
-
     def last(x):
         b, s, d = x.shape
         return te.compute((b, 1, d), lambda i, _, k: x[i, s - 1, k], name="last_token")

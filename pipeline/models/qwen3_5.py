@@ -27,10 +27,10 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from ..errors import ConfigError
-from .gdn_kernels import gdn_decode, gdn_prefill
-from .layers import LayerFactory
-from .llama import (
+from pipeline.errors import ConfigError
+from pipeline.models.gdn_kernels import gdn_decode, gdn_prefill
+from pipeline.models.layers import LayerFactory
+from pipeline.models.llama import (
     MLP,
     DecoderLM,
     _empty_ext_factors,
@@ -41,7 +41,7 @@ from .llama import (
     greedy_token,
     kv_cache_spec,
 )
-from .recurrent_state import RecurrentState
+from pipeline.models.recurrent_state import RecurrentState
 
 ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5"}
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")

@@ -15,12 +15,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from ..errors import ConfigError
-from .layers import (
+from pipeline.errors import ConfigError
+from pipeline.models.layers import (
     FloatEmbedding,
     FloatLinear,
     LayerFactory,
@@ -31,14 +32,13 @@ from .layers import (
     dequantized_t,
     q_params,
 )
+from pipeline.quant.memory_plan import split_rows as plan_rows
 
 SPLIT_ROLES = ("embed_tokens", "lm_head")
 
 
 def split_rows(rows: int, row_bytes: int, limit: int | None, what: str = "tensor") -> list[int]:
     """Rows per part so that no part exceeds `limit` bytes (the memory plan's rule, one-line error here)."""
-    from ..memory_plan import split_rows as plan_rows
-
     try:
         return plan_rows(rows, row_bytes, limit)
     except ValueError as err:
@@ -47,8 +47,6 @@ def split_rows(rows: int, row_bytes: int, limit: int | None, what: str = "tensor
 
 def _row_bytes(layer: nn.Module, rows: int) -> int:
     """Bytes per vocab row of the layer's largest parameter (the codes, or the float weight)."""
-    import numpy as np
-
     biggest = max(math.prod(int(d) for d in p.shape) * np.dtype(p.dtype).itemsize
                   for _, p in layer.named_parameters())
     return math.ceil(biggest / rows)

@@ -1,0 +1,51 @@
+"""mlc-chat-config.json: the runtime config MLC's app runtimes (mlc4j, MLCSwift, web-llm) read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import TILE_FIELDS
+
+CHAT_CONFIG_VERSION = "0.1.0"
+
+
+def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_files: list[str]) -> dict:
+    d = loaded.decoder
+    gen = loaded.generation_config or {}
+    hf = loaded.hf_config
+
+    def first(*vals):
+        return next((v for v in vals if v is not None), None)
+
+    eos = first(gen.get("eos_token_id"), hf.get("eos_token_id"))
+    return {
+        "version": CHAT_CONFIG_VERSION,
+        "model_type": d.family,
+        "quantization": quant.name,
+        "model_config": {**d.to_json(), "hf_architectures": hf.get("architectures", [])},
+        "vocab_size": d.vocab_size,
+        "context_window_size": d.context_window_size,
+        "sliding_window_size": -1,
+        "prefill_chunk_size": d.prefill_chunk_size,
+        "attention_sink_size": -1,
+        "tensor_parallel_shards": 1,
+        "pipeline_parallel_stages": 1,
+        "temperature": first(gen.get("temperature"), 0.7),
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": first(gen.get("repetition_penalty"), 1.0),
+        "top_p": first(gen.get("top_p"), 0.95),
+        "tokenizer_files": sorted(tokenizer_files),
+        "tokenizer_info": {"token_postproc_method": "byte_level", "prepend_space_in_encode": False,
+                           "strip_space_in_decode": False},
+        "conv_template": loaded.spec.conv_template,
+        "pad_token_id": first(hf.get("pad_token_id"), 0),
+        "bos_token_id": first(gen.get("bos_token_id"), hf.get("bos_token_id")),
+        "eos_token_id": eos if isinstance(eos, list) else [eos] if eos is not None else [],
+        "model_task": "chat",
+        "model_lib": f"lib/{build_info['library']}",
+        "system_lib_prefix": build_info["system_lib_prefix"],
+        "activation_dtype": build_info["metadata"]["activation_dtype"],
+        "weight_layout": build_info["metadata"]["weight_layout"],
+        **{f: build_info["metadata"][f] for f in TILE_FIELDS if build_info["metadata"].get(f)},
+    }

@@ -1,0 +1,524 @@
+"""Static memory and bandwidth plan for running an LLM on a phone.
+
+Pure arithmetic over a Hugging Face ``config.json``; nothing is loaded or compiled. The plan answers
+three questions before a long build is started: how many bytes of weights the bundle carries, how
+much RAM a session needs at a given context length, and roughly how fast decode can be on a phone
+whose memory bandwidth is known.
+
+Supported configs
+-----------------
+* Dense decoder-only models of the Llama / Qwen2 / Qwen3 family (``hidden_size``,
+  ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+  optional ``head_dim``, ``vocab_size``, ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``).
+  Qwen2 always has q/k/v biases; Qwen3 has per-head q/k RMSNorm.
+* The Qwen3.5 hybrid (``model_type`` ``qwen3_5`` with a nested ``text_config``, or ``qwen3_5_text``):
+  ``layer_types`` mixes ``linear_attention`` (Gated DeltaNet) and ``full_attention`` (gated
+  attention: with ``attn_output_gate`` the q projection is doubled). Only the text model is counted
+  (no vision tower, no MTP head).
+
+Model of the numbers
+--------------------
+Weights
+    One entry per tensor group with its parameter count, bytes and precision. ``q0f32`` stores
+    every tensor at 4 B, ``q0f16`` at 2 B. ``q4f16`` stores every 2-D matrix whose input (last,
+    reduction) dimension is a multiple of 32 as 4-bit codes plus one fp16 scale per 32 weights
+    (4.5 bits/weight; the embedding table is a [vocab, hidden] matrix and is quantized too, as in
+    MLC's q4f16_1); everything else (norms, biases, the depthwise conv1d) stays fp16, except GDN
+    ``A_log`` / ``dt_bias``, which stay fp32. ``q8f16``: int8 codes + an fp16 scale per 32.
+    Ternary ``t2f16`` / ``t3f16`` store every 2-D matrix (any K) as ternary codes with one fp16 scale
+    per 128 along K: t2 packs 16 two-bit codes per uint32 (``ceil(K/16) x 4 B`` per row), t3 five
+    base-3 codes per byte, four bytes per uint32 (``ceil(K/20) x 4 B`` per row; ``pipeline/ternary.py``);
+    plus ``ceil(K/128) x 2 B`` of scales per row — 2.125 bits per weight (t2, 128 | K), 1.725 (t3, 20 and
+    128 | K).
+Weights read per decoded token
+    All weight bytes except the embedding table, of which only one row is gathered; when the
+    embeddings are tied, the lm_head reads the whole embedding matrix, so it is counted once.
+KV cache
+    ``2 (K and V) x kv_heads x head_dim x bytes(kv_dtype)`` per full-attention layer per token, times
+    the context length; ``kv_dtype`` is the scheme's KV-cache precision (fp16 by default; the compute dtype
+    when not given). Sliding windows are not modelled.
+Recurrent state (hybrids only)
+    Gated DeltaNet state, always fp32: ``value_heads x key_head_dim x value_head_dim x 4 B`` per
+    linear-attention layer. Conv state in ``compute_dtype`` (it holds the last ``kernel - 1``
+    inputs of the causal depthwise conv, which are activations):
+    ``conv_dim x (kernel - 1) x bytes`` per layer, ``conv_dim = 2 x key_heads x key_dim +
+    value_heads x value_dim``. Both are fixed-size, independent of the context. During decode each
+    token reads and writes all of it, so ``2 x state`` is added to the bytes moved per token.
+Activations
+    Peak of one prefill chunk of ``prefill_chunk`` tokens, in ``compute_dtype``: the residual stream
+    and the normed input (``2 x hidden``) stay live while the widest layer intermediate exists,
+    the widest being the max of the SwiGLU gate+up outputs (``2 x intermediate``), the attention
+    q/k/v projections plus the attention output, the GDN projections (qkv, conv output, z, b, a)
+    and ``4 x hidden``. Attention is assumed fused (scores are never materialized over the whole
+    context, as in paged / flash attention kernels), so the estimate does not grow with context.
+    Hybrids add a GDN chunk workspace (``value_heads x chunk x 64 x 4 B``, the 64-token
+    intra-chunk matrices of the chunked delta rule). Logits are computed for the last token only,
+    in fp32: ``vocab x 4 B``.
+Totals and phone
+    ``total(ctx) = weights + KV(ctx) + state + activations``. With a ``phone`` dict
+    (``name``, ``ram_gb``, ``app_budget_gb``, ``bandwidth_gbs``) each context gets ``fits``
+    (``total <= app_budget_gb x 1e9``; decimal GB, conservative against binary-sized RAM) and a
+    *predicted* decode speed ``0.6 x bandwidth / bytes_per_token`` where ``bytes_per_token =
+    weights_read_per_token + KV(ctx) + 2 x state``; 0.6 is the share of peak bandwidth phones
+    sustain in decode (55-65%). ``roofline_tok_s`` is the same with the full peak bandwidth, an
+    upper bound. Both are predictions, not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from pipeline.formats import GROUP
+from pipeline.quant import ternary
+
+__all__ = ["memory_plan", "plan_markdown", "QUANT_MODES", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+QUANT_MODES = ("q0f32", "q0f16", "q4f16", "q8f16", "t2f16", "t3f16", "b1f16")
+TERNARY_MODES = {"t2f16": "t2", "t3f16": "t3", "b1f16": "b1"}
+# A scheme's per-tensor rules name layer roles; these are the plan's tensor groups each role covers.
+ROLE_GROUPS = {
+    "embed_tokens": ("embedding",), "lm_head": ("lm_head",), "qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "o_proj": ("attn_o",), "gate_up_proj": ("mlp_gate", "mlp_up"), "down_proj": ("mlp_down",),
+    "in_proj": ("gdn_in_proj_qkv", "gdn_in_proj_z", "gdn_in_proj_b", "gdn_in_proj_a"),
+    "out_proj": ("gdn_out_proj",),
+}
+SUSTAINED_BANDWIDTH_SHARE = 0.6
+GDN_CHUNK = 64
+_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
+_QK_NORM_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
+
+
+def _text_config(hf_config: dict) -> dict:
+    """The text-model part of a config (the nested ``text_config`` of multimodal checkpoints)."""
+    cfg = dict(hf_config)
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        merged = dict(text)
+        merged.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        if merged.get("model_type") is None:
+            merged["model_type"] = cfg.get("model_type")
+        cfg = merged
+    return cfg
+
+
+def _output_gate(cfg: dict) -> bool:
+    """Gated attention doubles q_proj; Qwen3.5 always has it (transformers hard-codes the 2x)."""
+    return bool(cfg.get("attn_output_gate", cfg.get("model_type") in _HYBRID_TYPES))
+
+
+def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
+    """Bytes of one tensor and its precision label under ``quant``."""
+    n = math.prod(shape)
+    if quant == "q0f32":
+        return n * 4, "float32"
+    if quant == "q0f16":
+        return n * 2, "float16"
+    if quant in TERNARY_MODES and len(shape) == 2:
+        fmt = TERNARY_MODES[quant]
+        kind = "binary" if fmt in ternary.BINARY else "ternary"
+        return shape[0] * ternary.row_bytes(fmt, shape[1]), f"{kind} {fmt} g128 + fp16 scale"
+    if len(shape) == 2 and shape[-1] % GROUP == 0:
+        if quant == "q8f16":   # int8 codes + one fp16 scale per group of 32
+            return n + (n // GROUP) * 2, "q8 g32 + fp16 scale"
+        # 4-bit codes + one fp16 scale per group of 32 along the input dim
+        return n // 2 + (n // GROUP) * 2, "q4 g32 + fp16 scale"
+    return n * 2, "float16"
+
+
+def split_rows(rows: int, row_bytes: int, limit: int | None) -> list[int]:
+    """Rows per part so that no part of a [rows, ...] tensor exceeds `limit` bytes (a device's largest
+    single allocation), as even as possible; [rows] when it fits. models/split.py splits the same way."""
+    if not limit or rows * row_bytes <= limit:
+        return [rows]
+    if row_bytes > limit:
+        raise ValueError(f"one row ({row_bytes} bytes) exceeds the max single allocation of {limit} bytes")
+    parts = math.ceil(rows / (limit // row_bytes))
+    size = math.ceil(rows / parts)
+    return [size] * (parts - 1) + [rows - size * (parts - 1)]
+
+
+def _largest_row_bytes(cols: int, mode: str) -> int:
+    """Bytes per row of a tensor's largest stored array (the codes, or the float weight) under `mode`."""
+    return {"q0f32": 4 * cols, "q0f16": 2 * cols, "q8f16": cols}.get(mode, cols // 2)
+
+
+def _splits(cfg: dict, quant: str, group_modes: dict[str, str] | None, limit: int | None) -> list[dict]:
+    """Vocab tables over the largest single allocation and the parts they are stored in."""
+    out = []
+    for group, shape, _ in _tensors(cfg):
+        if group not in ("embedding", "lm_head"):
+            continue
+        mode = (group_modes or {}).get(group, quant)
+        row = _largest_row_bytes(shape[1], mode)
+        rows = split_rows(shape[0], row, limit)
+        if len(rows) > 1:
+            out.append({"group": group, "parts": len(rows), "rows": rows, "largest_tensor_bytes": shape[0] * row,
+                        "max_buffer_bytes": limit,
+                        "reason": f"max single allocation {limit} bytes (target capabilities.max_buffer_bytes)"})
+    return out
+
+
+def _layer_types(cfg: dict) -> list[str]:
+    n_layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        if cfg.get("model_type") in _HYBRID_TYPES:
+            interval = int(cfg.get("full_attention_interval", 4))
+            types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+            ]
+        else:
+            types = ["full_attention"] * n_layers
+    types = list(types)
+    if len(types) != n_layers:
+        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers is {n_layers}")
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown}")
+    return types
+
+
+class _GDN(NamedTuple):
+    kh: int
+    vh: int
+    kd: int
+    vd: int
+    kernel: int
+    conv_dim: int      # channels of the causal conv: q, k (key heads x key dim) and v
+
+
+class _Dims(NamedTuple):
+    """The config fields both the weight count and the plan read, parsed once."""
+
+    hidden: int
+    inter: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    types: list[str]
+    n_full: int
+    n_lin: int
+    q_out: int         # q_proj outputs (doubled by the attention output gate)
+    gdn: _GDN | None
+
+
+def _dims(cfg: dict) -> _Dims:
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    types = _layer_types(cfg)
+    n_lin = types.count("linear_attention")
+    gdn = None
+    if n_lin:
+        kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+        kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+        gdn = _GDN(kh, vh, kd, vd, int(cfg["linear_conv_kernel_dim"]), 2 * kh * kd + vh * vd)
+    return _Dims(hidden=hidden, inter=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]), heads=heads,
+                 kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+                 tied=bool(cfg.get("tie_word_embeddings", False)), types=types,
+                 n_full=types.count("full_attention"), n_lin=n_lin,
+                 q_out=heads * head_dim * (2 if _output_gate(cfg) else 1), gdn=gdn)
+
+
+def modes_for_scheme(weight_format: str, weight_dtype: str, formats: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(default mode, {plan group: mode}) of a quantization scheme with per-role formats."""
+    def mode(fmt: str) -> str:
+        return {"q4": "q4f16", "q8": "q8f16", "t2": "t2f16", "t3": "t3f16", "b1": "b1f16"}.get(
+            fmt, "q0f32" if weight_dtype == "float32" else "q0f16")
+
+    groups = {g: mode(fmt) for role, fmt in formats.items() for g in ROLE_GROUPS.get(role, ())}
+    return mode(weight_format), groups
+
+
+def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
+    """(group, shape, count) for every weight tensor of the text model."""
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        raise ValueError("mixture-of-experts configs are not supported by memory_plan")
+    mt = cfg.get("model_type") or ""
+    d = _dims(cfg)
+    hidden, inter, vocab, heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.head_dim
+    n_full, n_lin, n_layers, q_out = d.n_full, d.n_lin, len(d.types), d.q_out
+    kv_out = d.kv_heads * head_dim
+    attn_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = attn_bias or mt == "qwen2"
+
+    t: list[tuple[str, tuple[int, ...], int]] = [("embedding", (vocab, hidden), 1)]
+    if not d.tied:
+        t.append(("lm_head", (vocab, hidden), 1))
+    t.append(("norms", (hidden,), 2 * n_layers + 1))  # input / post-attention per layer + final
+    if n_full:
+        t += [
+            ("attn_q", (q_out, hidden), n_full),
+            ("attn_k", (kv_out, hidden), n_full),
+            ("attn_v", (kv_out, hidden), n_full),
+            ("attn_o", (hidden, heads * head_dim), n_full),
+        ]
+        if qkv_bias:
+            t += [
+                ("attn_bias", (q_out,), n_full),
+                ("attn_bias", (kv_out,), 2 * n_full),
+            ]
+        if attn_bias:
+            t.append(("attn_bias", (hidden,), n_full))
+        if mt in _QK_NORM_TYPES:
+            t.append(("attn_qk_norm", (head_dim,), 2 * n_full))
+    if n_lin:
+        vh, vd, kernel, conv_dim = d.gdn.vh, d.gdn.vd, d.gdn.kernel, d.gdn.conv_dim
+        value_dim = vh * vd
+        t += [
+            ("gdn_in_proj_qkv", (conv_dim, hidden), n_lin),
+            ("gdn_in_proj_z", (value_dim, hidden), n_lin),
+            ("gdn_in_proj_b", (vh, hidden), n_lin),
+            ("gdn_in_proj_a", (vh, hidden), n_lin),
+            ("gdn_conv1d", (conv_dim, 1, kernel), n_lin),
+            ("gdn_decay", (vh,), 2 * n_lin),  # A_log and dt_bias
+            ("gdn_norm", (vd,), n_lin),
+            ("gdn_out_proj", (hidden, value_dim), n_lin),
+        ]
+    t += [
+        ("mlp_gate", (inter, hidden), n_layers),
+        ("mlp_up", (inter, hidden), n_layers),
+        ("mlp_down", (hidden, inter), n_layers),
+    ]
+    if cfg.get("mlp_bias"):
+        t += [("mlp_bias", (inter,), 2 * n_layers), ("mlp_bias", (hidden,), n_layers)]
+    return t
+
+
+NORM_GROUPS = ("norms", "attn_qk_norm", "gdn_norm")   # stored in the compute dtype, like activations
+
+
+def _weights(cfg: dict, quant: str, group_modes: dict[str, str] | None = None,
+             compute_dtype: str = "float16") -> dict[str, dict]:
+    groups: dict[str, dict] = {}
+    for group, shape, count in _tensors(cfg):
+        mode = (group_modes or {}).get(group, quant)
+        params = math.prod(shape)
+        if group == "gdn_decay":   # A_log / dt_bias stay fp32 in every scheme (exp of A_log overflows fp16)
+            nbytes, precision = 4 * params, "float32"
+        elif group in NORM_GROUPS and quant != "q0f32":
+            nbytes, precision = DTYPE_BYTES[compute_dtype] * params, compute_dtype
+        else:
+            nbytes, precision = _tensor_bytes(shape, mode)
+        g = groups.setdefault(group, {"params": 0, "bytes": 0, "precision": precision})
+        g["params"] += params * count
+        g["bytes"] += nbytes * count
+        if g["precision"] != precision:
+            g["precision"] = "mixed"
+    return groups
+
+
+def memory_plan(
+    hf_config: dict,
+    *,
+    quant: str,
+    compute_dtype: str = "float16",
+    contexts: Iterable[int] = (4096, 8192, 32768),
+    prefill_chunk: int = 512,
+    phone: dict | None = None,
+    group_modes: dict[str, str] | None = None,
+    max_buffer_bytes: int | None = None,
+    kv_dtype: str | None = None,
+) -> dict:
+    """Memory / bandwidth plan of ``hf_config`` under ``quant``; see the module docstring for the model."""
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown quant {quant!r}; expected one of {QUANT_MODES}")
+    kv_dtype = kv_dtype or compute_dtype
+    for what, dt in (("compute_dtype", compute_dtype), ("kv_dtype", kv_dtype)):
+        if dt not in DTYPE_BYTES:
+            raise ValueError(f"unknown {what} {dt!r}; expected one of {sorted(DTYPE_BYTES)}")
+    cfg = _text_config(hf_config)
+    act_b = DTYPE_BYTES[compute_dtype]
+    kv_b = DTYPE_BYTES[kv_dtype]
+    d = _dims(cfg)
+    hidden, inter, vocab, heads, kv_heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.kv_heads, d.head_dim
+    tied, types, n_full, n_lin = d.tied, d.types, d.n_full, d.n_lin
+
+    bad = sorted(set((group_modes or {}).values()) - set(QUANT_MODES))
+    if bad:
+        raise ValueError(f"unknown quant {bad[0]!r} in group_modes; expected one of {QUANT_MODES}")
+    groups = _weights(cfg, quant, group_modes, compute_dtype)
+    total_params = sum(g["params"] for g in groups.values())
+    total_bytes = sum(g["bytes"] for g in groups.values())
+    emb = groups["embedding"]
+    # the embedding is a gather; a tied lm_head reads the embedding matrix once per token
+    read_bytes = total_bytes if tied else total_bytes - emb["bytes"]
+    read_params = total_params if tied else total_params - emb["params"]
+
+    # KV cache
+    kv_per_token = 2 * kv_heads * head_dim * kv_b * n_full
+
+    # recurrent state
+    gdn_state = conv_state = 0
+    widths = [2 * inter, 4 * hidden]
+    if n_full:
+        widths.append(d.q_out + 2 * kv_heads * head_dim + heads * head_dim)
+    gdn_workspace = 0
+    if n_lin:
+        vh, kd, vd, kernel, conv_dim = d.gdn.vh, d.gdn.kd, d.gdn.vd, d.gdn.kernel, d.gdn.conv_dim
+        gdn_state = n_lin * vh * kd * vd * 4
+        conv_state = n_lin * conv_dim * (kernel - 1) * act_b
+        widths.append(2 * conv_dim + vh * vd + 2 * vh)
+        gdn_workspace = vh * prefill_chunk * GDN_CHUNK * 4
+    state_bytes = gdn_state + conv_state
+
+    # activations of one prefill chunk
+    act_width = 2 * hidden + max(widths)
+    chunk_bytes = prefill_chunk * act_width * act_b
+    logits_bytes = vocab * 4
+    activations = chunk_bytes + gdn_workspace + logits_bytes
+
+    fixed = total_bytes + state_bytes + activations
+    per_context = []
+    for ctx in contexts:
+        ctx = int(ctx)
+        kv = kv_per_token * ctx
+        row = {
+            "context": ctx,
+            "kv_bytes": kv,
+            "total_bytes": fixed + kv,
+            "decode_bytes_per_token": read_bytes + kv + 2 * state_bytes,
+        }
+        if phone is not None:
+            bw = float(phone["bandwidth_gbs"]) * 1e9
+            row["fits"] = row["total_bytes"] <= float(phone["app_budget_gb"]) * 1e9
+            row["headroom_bytes"] = int(float(phone["app_budget_gb"]) * 1e9) - row["total_bytes"]
+            row["predicted_decode_tok_s"] = SUSTAINED_BANDWIDTH_SHARE * bw / row["decode_bytes_per_token"]
+            row["roofline_tok_s"] = bw / row["decode_bytes_per_token"]
+        per_context.append(row)
+
+    return {
+        "model_type": cfg.get("model_type"),
+        "quant": quant,
+        "compute_dtype": compute_dtype,
+        "prefill_chunk": prefill_chunk,
+        "layers": {"total": len(types), "full_attention": n_full, "linear_attention": n_lin},
+        "weights": groups,
+        "splits": _splits(cfg, quant, group_modes, max_buffer_bytes),
+        "weights_total": {"params": total_params, "bytes": total_bytes},
+        "weights_read_per_token": {"params": read_params, "bytes": read_bytes},
+        "kv_cache": {
+            "bytes_per_token": kv_per_token,
+            "dtype": kv_dtype,
+            "layers": n_full,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "by_context": {r["context"]: r["kv_bytes"] for r in per_context},
+        },
+        "recurrent_state": {
+            "gdn_bytes": gdn_state,
+            "gdn_dtype": "float32",
+            "conv_bytes": conv_state,
+            "conv_dtype": compute_dtype,
+            "bytes": state_bytes,
+        },
+        "activations": {
+            "chunk_bytes": chunk_bytes,
+            "gdn_workspace_bytes": gdn_workspace,
+            "logits_bytes": logits_bytes,
+            "bytes": activations,
+        },
+        "contexts": per_context,
+        "weights_only_roofline_tok_s": (
+            float(phone["bandwidth_gbs"]) * 1e9 / read_bytes if phone is not None else None
+        ),
+        "phone": dict(phone) if phone is not None else None,
+        "sustained_bandwidth_share": SUSTAINED_BANDWIDTH_SHARE,
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    n = float(n)
+    if abs(n) >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    if abs(n) >= 1e6:
+        return f"{n / 1e6:.1f} MB"
+    if abs(n) >= 1e3:
+        return f"{n / 1e3:.1f} kB"
+    return f"{int(n)} B"
+
+
+def _fmt_params(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.3f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} M"
+    return f"{n:,}"
+
+
+def plan_markdown(plan: dict) -> str:
+    """Markdown tables for a plan returned by :func:`memory_plan`."""
+    lay = plan["layers"]
+    out = [
+        f"# Memory plan: {plan['model_type']} {plan['quant']} (compute {plan['compute_dtype']})",
+        "",
+        f"Layers: {lay['total']} ({lay['full_attention']} full attention, "
+        f"{lay['linear_attention']} linear attention). GB = 10^9 bytes.",
+        "",
+        "## Weights",
+        "",
+        "| group | params | bytes | precision |",
+        "|---|---:|---:|---|",
+    ]
+    for name, g in plan["weights"].items():
+        out.append(f"| {name} | {_fmt_params(g['params'])} | {_fmt_bytes(g['bytes'])} | {g['precision']} |")
+    wt, wr = plan["weights_total"], plan["weights_read_per_token"]
+    out += [
+        f"| **total** | **{_fmt_params(wt['params'])}** | **{_fmt_bytes(wt['bytes'])}** | |",
+        f"| read per decoded token | {_fmt_params(wr['params'])} | {_fmt_bytes(wr['bytes'])} | |",
+        *[line for sp in plan.get("splits", []) for line in (
+            "", f"Split {sp['group']} ({_fmt_bytes(sp['largest_tensor_bytes'])} in its largest array) into "
+                f"{sp['parts']} parts of {', '.join(str(r) for r in sp['rows'])} rows (reason: {sp['reason']}).")],
+        "",
+        "## Fixed-size state and activations",
+        "",
+        "| item | bytes |",
+        "|---|---:|",
+    ]
+    kv = plan["kv_cache"]
+    st = plan["recurrent_state"]
+    act = plan["activations"]
+    out.append(
+        f"| KV cache per token ({kv['layers']} layers x 2 x {kv['kv_heads']} x {kv['head_dim']}, "
+        f"{kv['dtype']}) | {kv['bytes_per_token'] / 1024:.0f} KiB |"
+    )
+    if st["bytes"]:
+        out.append(f"| GDN recurrent state ({st['gdn_dtype']}) | {_fmt_bytes(st['gdn_bytes'])} |")
+        out.append(f"| conv state ({st['conv_dtype']}) | {_fmt_bytes(st['conv_bytes'])} |")
+    out.append(
+        f"| activations, prefill chunk of {plan['prefill_chunk']} | {_fmt_bytes(act['chunk_bytes'])} |"
+    )
+    if act["gdn_workspace_bytes"]:
+        out.append(f"| GDN chunk workspace | {_fmt_bytes(act['gdn_workspace_bytes'])} |")
+    out += [f"| last-token logits (fp32) | {_fmt_bytes(act['logits_bytes'])} |", ""]
+
+    phone = plan.get("phone")
+    out += ["## Per context", ""]
+    if phone:
+        out += [
+            f"Phone: {phone.get('name', '?')}, {phone.get('ram_gb', '?')} GB RAM, app budget "
+            f"{phone['app_budget_gb']} GB, {phone['bandwidth_gbs']} GB/s peak. Decode speeds are "
+            f"**predictions** ({plan['sustained_bandwidth_share']:.0%} of peak bandwidth / bytes per "
+            "token; roofline = 100%), not measurements.",
+            "",
+            "| context | KV cache | total RAM | fits | bytes/token | predicted tok/s | roofline tok/s |",
+            "|---:|---:|---:|---|---:|---:|---:|",
+        ]
+        for r in plan["contexts"]:
+            out.append(
+                f"| {r['context']} | {_fmt_bytes(r['kv_bytes'])} | {_fmt_bytes(r['total_bytes'])} | "
+                f"{'yes' if r['fits'] else 'no'} | {_fmt_bytes(r['decode_bytes_per_token'])} | "
+                f"{r['predicted_decode_tok_s']:.2f} | {r['roofline_tok_s']:.2f} |"
+            )
+    else:
+        out += ["| context | KV cache | total RAM | bytes/token |", "|---:|---:|---:|---:|"]
+        for r in plan["contexts"]:
+            out.append(
+                f"| {r['context']} | {_fmt_bytes(r['kv_bytes'])} | {_fmt_bytes(r['total_bytes'])} | "
+                f"{_fmt_bytes(r['decode_bytes_per_token'])} |"
+            )
+    return "\n".join(out) + "\n"

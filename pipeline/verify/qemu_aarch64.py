@@ -1,0 +1,112 @@
+"""Run the aarch64 kernels of an android-cpu library under qemu-user, without a phone or the TVM runtime.
+
+An android-cpu build is a system-lib `.tar` whose `lib0.o` holds every kernel as AArch64 code. That object
+only needs a handful of runtime symbols (system-lib registration, workspace allocation, error reporting;
+see `native/kernel_harness.c`, which supplies them) and libm. Linked statically with that small C driver by
+the Debian cross compiler (`gcc-aarch64-linux-gnu`), it runs under `qemu-aarch64` (Debian `qemu-user`):
+each kernel is called through its packed-call ABI with DLTensor arguments read from files, and its outputs
+are written back, so they can be compared with an x86 LLVM build of the same PrimFunc.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import tvm_ffi
+
+from pipeline.errors import PipelineError
+
+HARNESS_SOURCE = Path(__file__).resolve().parent / "native" / "kernel_harness.c"
+TOOLS = {"qemu-aarch64": "qemu-user", "aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu"}
+SYMBOL_PREFIX = "__tvm_ffi_"   # packed-call entry of each kernel, after the system-lib prefix
+_DL_CODES = {"i": 0, "u": 1, "f": 2}
+
+
+def missing_tools() -> list[str]:
+    """Debian packages to install before anything here can run (empty when all are present)."""
+    return [pkg for tool, pkg in TOOLS.items() if shutil.which(tool) is None]
+
+
+def _ffi_include() -> Path:
+    return Path(tvm_ffi.__file__).resolve().parent / "include"
+
+
+def library_objects(tar_path: Path, dest: Path) -> list[Path]:
+    """The objects of a system-lib `.tar` (host code + the embedded VM program), extracted into dest."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tar_path) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".o") and "/" not in m.name]
+        tar.extractall(dest, members=members, filter="data")
+    return sorted(dest / m.name for m in members)
+
+
+def link_harness(objects: list[Path], out: Path) -> Path:
+    """A static aarch64 executable: the C driver + the library's objects + libm."""
+    missing = missing_tools()
+    if missing:
+        raise PipelineError("cannot build the aarch64 kernel harness", fix=f"apt-get install {' '.join(missing)}")
+    cmd = ["aarch64-linux-gnu-gcc", "-static", "-O1", "-I", str(_ffi_include()), str(HARNESS_SOURCE),
+           *map(str, objects), "-lm", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PipelineError(f"linking the aarch64 harness failed: {_link_error(done.stderr)}")
+    return out
+
+
+class AArch64Kernels:
+    """The kernels of one aarch64 system-lib, callable from Python through qemu-aarch64."""
+
+    def __init__(self, harness: Path, prefix: str = ""):
+        self.harness = Path(harness)
+        self.prefix = prefix
+
+    def _run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(["qemu-aarch64", str(self.harness), *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def names(self) -> list[str]:
+        """Kernel names as in the Relax module (system-lib and packed-call prefixes removed)."""
+        head = SYMBOL_PREFIX + self.prefix
+        out = self._run("list").stdout.split()
+        return sorted(n[len(head):] for n in out if n.startswith(head))
+
+    def call(self, name: str, args: list) -> list:
+        """Run kernel `name` on copies of `args` (numpy arrays / ints); returns them with the outputs filled."""
+        with tempfile.TemporaryDirectory(prefix="qemu-kernel-") as tmp:
+            folder = Path(tmp)
+            lines, results = [], []
+            for i, arg in enumerate(args):
+                if isinstance(arg, np.ndarray):
+                    arr = np.ascontiguousarray(arg)
+                    src, dst = folder / f"in{i}.bin", folder / f"out{i}.bin"
+                    src.write_bytes(arr.tobytes())
+                    code = _DL_CODES[arr.dtype.kind]
+                    lines.append(f"T {code} {arr.dtype.itemsize * 8} {arr.ndim} {' '.join(map(str, arr.shape))} "
+                                 f"{src} {dst}")
+                    results.append((i, arr, dst))
+                else:
+                    lines.append(f"I {int(arg)}")
+            (folder / "args.txt").write_text("\n".join(lines) + "\n")
+            done = self._run("call", SYMBOL_PREFIX + self.prefix + name, str(folder / "args.txt"))
+            if done.returncode != 0:
+                raise RuntimeError(f"{name} failed under qemu-aarch64 (exit {done.returncode}): "
+                                   f"{done.stderr.strip()[-300:]}")
+            out = list(args)
+            for i, arr, dst in results:
+                out[i] = np.frombuffer(dst.read_bytes(), dtype=arr.dtype).reshape(arr.shape).copy()
+            return out
+
+
+def _link_error(stderr: str) -> str:
+    """The informative lines of a failed link (undefined references first), not just collect2's summary."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines()]
+    undefined = sorted({ln.split("undefined reference to", 1)[1].strip(" `'") for ln in lines
+                        if "undefined reference to" in ln})
+    if undefined:
+        return "undefined symbols: " + ", ".join(undefined)
+    return " | ".join(lines[-3:])
