@@ -25,12 +25,11 @@ from tvm.relax.frontend.onnx import from_onnx, onnx_frontend
 
 from pipeline.artifacts.bundle import atomic_dir, file_sha256, tool_versions, write_manifest
 from pipeline.cache import cache_root, digest, link_or_copy, source_hash, tvm_versions
+from pipeline.compiler.backend import backend_for
 from pipeline.compiler.compile import compile_library
 from pipeline.compiler.fuse import fusion_passes
-from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ModelSpec, QuantSpec, TargetSpec
 from pipeline.errors import CompileError, ConfigError, WeightsError
-from pipeline.kernels.npu.hexagon import partition
 from pipeline.report.coverage import coverage_report, write_coverage
 from pipeline.report.html import write_coverage_html
 
@@ -130,10 +129,11 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
     check_quant(quant, path)
     act = quant.activation_dtype(target)
     tvm_target = target.tvm()
-    # npu: android-cpu and android-hexagon share the host target dict but not the library set
+    backend = backend_for(target)
+    # key facts: android-cpu and android-hexagon share the host target dict but not the library set
     key = digest({"onnx": file_sha256(path), "quant": quant.name, "act": act, "target": str(tvm_target.export()),
-                   "rules": target.schedule_rules, "npu": target.npu, "device": target.device,
-                   "code": source_hash(), "versions": tvm_versions()})
+                  "rules": target.schedule_rules, "device": target.device, **backend.key_facts(),
+                  "code": source_hash(), "versions": tvm_versions()})
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")
@@ -145,15 +145,14 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
     with atomic_dir(out) as tmp:
         with report.step("fuse"):
             mod = fuse_graph(mod, tvm_target)
-        with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
-            mod, schedules = schedule_module(mod, tvm_target, target.schedule_rules, target.device)
-        if target.npu:
-            schedules = partition(mod, schedules, target.npu, vocab_size=-1)   # no lm_head in a graph
+        with report.step(backend.tune_step):
+            mod, schedules = backend.schedule(mod)
+        schedules = backend.place(mod, schedules, vocab_size=-1)   # no lm_head in a graph
         coverage = coverage_report(mod, schedules, target, phase_funcs=PHASE_FUNCS, phase_note=PHASE_NOTE)
         write_coverage(coverage, tmp)
         meta = {"model_type": "onnx", "source": path.name, "quantization": quant.name,
                 "activation_dtype": act, **signature}
-        info = compile_library(mod, meta, schedules, target, prefix, key, tmp, report)
+        info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report)
     return out, info
 
 

@@ -19,16 +19,15 @@ from typing import Any
 
 import numpy as np
 import tvm
-from tvm import relax
 
 from pipeline.artifacts.bundle import atomic_dir, tool_versions, write_manifest
 from pipeline.artifacts.chat_config import chat_config
 from pipeline.cache import cache_root, digest, link_or_copy, source_hash, tvm_versions
 from pipeline.compiler import force_cpu as forcing
+from pipeline.compiler.backend import backend_for
 from pipeline.compiler.compile import compile_library
 from pipeline.compiler.force_cpu import reasons
 from pipeline.compiler.fuse import fusion_passes
-from pipeline.compiler.schedule import schedule_module
 from pipeline.compiler.tuning import database_digest, load_database
 from pipeline.config import (
     TILE_FIELDS,
@@ -43,9 +42,6 @@ from pipeline.config import (
 from pipeline.errors import PipelineError, WeightsError
 from pipeline.frontend.checkpoint import open_checkpoint
 from pipeline.kernels.cpu import rope as cpu_rope
-from pipeline.kernels.cpu.gemv import build_threads
-from pipeline.kernels.cpu.regions import merge_regions
-from pipeline.kernels.npu.hexagon import partition
 from pipeline.models import config_from_hf, model_class
 from pipeline.models.split import SplitFactory
 from pipeline.onnx_stages import build_graph, check_quant, emit_graph, is_onnx
@@ -229,8 +225,8 @@ def fuse(defined: Defined, target: TargetSpec):
 
 
 def tune(mod: Any, target: TargetSpec):
-    """Tuned records of the target's database first (tuning.py), then the target's default rules."""
-    return schedule_module(mod, target.tvm(), target.schedule_rules, target.device, load_database(target.name))
+    """Tuned records of the target's database first (compiler/tuning.py), then the target's default rules."""
+    return backend_for(target).schedule(mod, load_database(target.name))
 
 
 def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec,
@@ -249,16 +245,15 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         if tiles:
             meta[tile_field] = max(tiles)
     tvm_target = target.tvm()
+    backend = backend_for(target)
     forced = forcing.reasons(target, force_cpu)
     verify = _verify_mode(target, verify, defined)
     key = digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
-                   "meta": meta, "force_cpu": forced, "verify": verify, "npu": target.npu,
-                   "tuning": database_digest(target.name),
+                   "meta": meta, "force_cpu": forced, "verify": verify, "tuning": database_digest(target.name),
                    "formats": dict(quant.formats), "ternary_source": quant.ternary_source,
-                   **({"rotation": quant.rotation} if quant.rotation else {}),
-                   **({"cpu_threads": build_threads()} if target.host_native else {})})   # cpu_gemv.k_splits
+                   **({"rotation": quant.rotation} if quant.rotation else {}), **backend.key_facts()})
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")
@@ -268,10 +263,9 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         with report.step("fuse"):
             mod = fuse(defined, target)
         unscheduled = {gv.name_hint: f for gv, f in mod.functions_items()}
-        with report.step("tune (schedule GPU kernels)" if target.is_gpu else "tune"):
+        with report.step(backend.tune_step):
             mod, schedules = tune(mod, target)
-        if target.npu:
-            schedules = partition(mod, schedules, target.npu, loaded.decoder.vocab_size)
+        schedules = backend.place(mod, schedules, loaded.decoder.vocab_size)
         mod, schedules = forcing.apply(mod, unscheduled, schedules, forced, target)
         if forced:
             n = sum(1 for s in schedules if s.rule == "forced-cpu")
@@ -281,19 +275,12 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         _record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
         coverage["splits"] = list(defined.splits)
         coverage["largest_parameter"] = _largest_parameter(defined, target)
-        if not target.is_gpu and not target.npu:   # after the report: it lists the kernels, not the regions
-            with report.step("merge CPU regions"):
-                mod, coverage["cpu_regions"] = merge_cpu_regions(mod, views=not target.system_lib)
+        mod, regions = backend.finish(mod)   # after the report: it lists the kernels, not the regions
+        if regions is not None:
+            coverage["cpu_regions"] = regions
         write_coverage(coverage, tmp)
-        info = compile_library(mod, meta, schedules, target, prefix, key, tmp, report)
+        info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report)
     return out, info
-
-
-def merge_cpu_regions(mod: Any, views: bool = True) -> tuple[Any, dict[str, Any]]:
-    """The decode step's runs of CPU kernels as one parallel region each (cpu_regions.py). Reshapes that
-    lowering turns into views are rewritten first, so that they stay views (inside a region too, unless
-    `views` is off: TVM 0.27's system-lib symbol pass fails on the buffer declarations they become)."""
-    return merge_regions(relax.transform.RewriteDataflowReshape()(mod), views=views)
 
 
 def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:
@@ -310,7 +297,7 @@ def _verify_mode(target: TargetSpec, verify: bool | None, defined: Defined) -> s
         verify = bool(target.verify_kernels)
         if verify and sum(_nbytes(p) for _, p in defined.params) > AUTO_VERIFY_MAX_BYTES:
             return "too-big"
-    if not verify or not target.is_gpu:
+    if not verify or not backend_for(target).verifies_on_opencl:
         return bool(verify)
 
     return "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"

@@ -3,7 +3,6 @@ CPU, wrapped in device copies, reported as CPU with the reason, and counted in t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tarfile
 
@@ -13,6 +12,7 @@ import tvm
 from test_model_numerics import tiny_hf_model
 from tvm import relax, te
 
+from pipeline import config
 from pipeline.cli import main as cli_main
 from pipeline.compiler import force_cpu
 from pipeline.errors import ConfigError
@@ -48,7 +48,7 @@ def test_unknown_op_class_is_one_line_error(capsys):
 
 
 def test_target_yaml_force_cpu(tmp_path, monkeypatch):
-    from pipeline import config
+
 
     text = config.TARGETS["android-adreno"].read_text()
     good, bad = tmp_path / "adreno-norm-cpu.yaml", tmp_path / "adreno-bad.yaml"
@@ -137,8 +137,8 @@ def test_hexagon_force_leaves_npu():
 
     rec = [KernelSchedule("rms_norm", "hvx", True, "HVX: compiled, not executed")]
     mod = tvm.IRModule({"rms_norm": _norm_func()})
-    target = dataclasses.make_dataclass("T", [("is_gpu", bool)])(False)
-    _, out = force_cpu.apply(mod, {}, rec, {"rmsnorm": "by option --force-cpu"}, target)
+    _, out = force_cpu.apply(mod, {}, rec, {"rmsnorm": "by option --force-cpu"},
+                             config.load_target("android-hexagon"))
     assert out[0].on_device is False and out[0].reason == "forced (by option --force-cpu)"
 
 

@@ -16,9 +16,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad(...) builds in TVM 0.27
 from tvm.support import tar
 
-from pipeline.config import TargetSpec
 from pipeline.errors import CompileError
-from pipeline.kernels.npu.hexagon import build_npu_library
 from pipeline.progress import Reporter
 
 
@@ -115,19 +113,18 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, *, library: str,
     return path
 
 
-def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], target: TargetSpec, prefix: str,
+def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], backend: Any, prefix: str,
                     key: str, tmp: Path, report: Reporter) -> dict[str, Any]:
-    """Compile a scheduled module (and, for NPU targets, its HVX kernels) into `tmp` and write build.json;
+    """Compile a scheduled module (and the backend's extra libraries: an NPU's) into `tmp` and write build.json;
     the LLM path and ONNX graphs share it. No timings in build.json: it goes into the bundle, whose
-    manifest must be reproducible."""
+    manifest must be reproducible. `backend`: the target's compiler/backend.Backend."""
+    target = backend.spec
     with report.step(f"compile for {target.name}"):
         lib = build_library(attach_metadata(mod, meta), target.tvm(), library=target.library,
                             system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
     info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
             "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
                          **({"reason": s.reason} if s.reason else {})} for s in schedules]}
-    if target.npu:
-        with report.step(f"compile NPU kernels ({target.npu.get('name', 'npu')})"):
-            info["npu_library"] = build_npu_library(mod, schedules, target.npu, prefix, tmp).name
+    info.update(backend.extra_libraries(mod, schedules, prefix, tmp, report))
     (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return info

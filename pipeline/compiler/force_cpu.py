@@ -18,6 +18,7 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
+from pipeline.compiler.backend import backend_for
 from pipeline.errors import ConfigError
 from pipeline.kernels.cpu.schedule import CPUInlineParallel
 from pipeline.op_classes import classify, parse_classes
@@ -53,7 +54,7 @@ def apply(mod: tvm.IRModule, unscheduled: dict[str, tirx.PrimFunc], records: lis
             out.append(replace(r, rule="forced-cpu", on_device=False, reason=f"{FORCED} ({forced[cls]})"))
         else:
             out.append(r)
-    if pinned and target.is_gpu:
+    if pinned and backend_for(target).retargets_forced_kernels:
         library = [r for r in records if r.name in pinned and r.rule == "library"]
         if library:
             r = library[0]

@@ -28,6 +28,7 @@ import numpy as np
 import tvm
 from tvm import tirx
 
+from pipeline.compiler.backend import backend_for
 from pipeline.compiler.fuse import fusion_passes
 from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ROOT, load_target
@@ -68,16 +69,17 @@ def verdicts(target: Any, records: list[Any], verify: bool, twin: Any = None,
     A build kernel counts as executed only when the twin has a kernel of the same name and buffer shapes."""
     names = [r.name for r in records]
     on_host = {r.name for r in records if r.rule == "forced-cpu"}
-    if getattr(target, "npu", None):
+    backend = backend_for(target)
+    if backend.kind == "npu":
         out = {r.name: not_executed("HVX: no Hexagon runtime / FastRPC here" if r.on_device
                                     else "aarch64 CPU code") for r in records}
         return out, _summary(out, "none at build time")
-    if not target.is_gpu:
+    if backend.kind == "cpu":
         why = ("runs here with python -m pipeline run, not at build time" if target.runnable_here
                else f"{target.name} CPU code")
         out = {n: not_executed(why) for n in names}
         return out, _summary(out, "none at build time")
-    if target.tvm_target.get("kind") != "opencl":
+    if not backend.verifies_on_opencl:
         out = {n: not_executed(f"no {target.tvm_target.get('kind')} device here") for n in names}
         return out, _summary(out, "none at build time")
     if verify == "too-big":
