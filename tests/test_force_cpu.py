@@ -48,8 +48,6 @@ def test_unknown_op_class_is_one_line_error(capsys):
 
 
 def test_target_yaml_force_cpu(tmp_path, monkeypatch):
-
-
     text = config.TARGETS["android-adreno"].read_text()
     good, bad = tmp_path / "adreno-norm-cpu.yaml", tmp_path / "adreno-bad.yaml"
     good.write_text(text + "force_cpu: [rmsnorm]\n")
