@@ -23,13 +23,19 @@ class StoredFormat:
     tile_field: str | None = None   # the target field that tiles this format's KN storage (see tile_width)
     signs: bool = False        # a sign packing: ternary {-s, 0, +s} or binary {-s, +s} (quant/ternary.py)
 
-    def bits_per_weight(self, k: int) -> float:
-        """Bits per weight of a row of k weights, codes (padded to whole words) plus fp16 scales."""
+    def row_bytes(self, k: int) -> int:
+        """Bytes of one output row of k weights: codes padded to whole words, plus one fp16 scale per group."""
         if not self.group:
-            return self.code_bits
+            return k * 2
         words = -(-k // self.codes_per_word)
-        word_bits = self.code_bits * self.codes_per_word if self.signs else 32 if self.codes_per_word > 1 else 8
-        return (words * word_bits + 16 * -(-k // self.group)) / k
+        return words * _ITEMSIZE[self.code_dtype] + 2 * -(-k // self.group)
+
+    def bits_per_weight(self, k: int) -> float:
+        """Bits per weight of a row of k weights (e.g. q4: 4.5, q8: 8.5, t2: 2.125, t3: 1.725 at K = 5120)."""
+        return 8 * self.row_bytes(k) / k
+
+
+_ITEMSIZE = {"uint32": 4, "int8": 1, "float16": 2}
 
 
 GROUP = 32            # q4 / q8: weights per scale along K
@@ -76,8 +82,8 @@ def code_dtype(fmt: str) -> str:
 
 
 def row_bytes(fmt: str, k: int) -> int:
-    """Bytes of one output row of a sign packing: packed codes + fp16 scales (what the tensor cache stores)."""
-    return packed_len(fmt, k) * 4 + 2 * n_groups(k)
+    """Bytes of one output row: packed codes + fp16 scales (what the tensor cache stores)."""
+    return FORMATS[fmt].row_bytes(k)
 
 
 # ------------------------------------------------------------------------------------ tiled KN

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ConfigError
+from pipeline.formats import FORMATS
 from pipeline.quant.convert import TEXT_PREFIXES
 from pipeline.quant.gptq import output_error, quantize_rows
 from pipeline.quant.memory_plan import (
@@ -73,7 +74,7 @@ LADDER = ("b1", "t3", "q4", "q8", "float")
 BELOW_Q4 = ("b1", "t3")           # post-training sign formats: the plan warns when it uses them
 SENSITIVITY_MAX_PARAMS = 1.0e9   # the end-to-end sensitivity pass (roles + 1 forwards) for models up to this size
 GAUSSIAN_EPS = {"b1": 0.361, "t3": 0.187, "q4": 7.1e-3, "q8": 2.9e-5, "float": 0.0}
-BITS = {"b1": 1.125, "t3": 1.725, "q4": 4.5, "q8": 8.5, "float": 16.0}
+BITS = {f: FORMATS[f].bits_per_weight(5120) for f in ("b1", "t3", "q4", "q8", "float")}   # at K = 5120
 _FORMAT_NAMES = {"b1": "binary b1", "t3": "ternary t3"}
 _HF_KEYS = {
     "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),

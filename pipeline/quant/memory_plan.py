@@ -70,7 +70,7 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from pipeline.formats import GROUP
+from pipeline.formats import GROUP, SIGN_GROUP, row_bytes
 from pipeline.quant import ternary
 
 __all__ = ["memory_plan", "plan_markdown", "QUANT_MODES", "DTYPE_BYTES"]
@@ -119,12 +119,10 @@ def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
     if quant in TERNARY_MODES and len(shape) == 2:
         fmt = TERNARY_MODES[quant]
         kind = "binary" if fmt in ternary.BINARY else "ternary"
-        return shape[0] * ternary.row_bytes(fmt, shape[1]), f"{kind} {fmt} g128 + fp16 scale"
-    if len(shape) == 2 and shape[-1] % GROUP == 0:
-        if quant == "q8f16":   # int8 codes + one fp16 scale per group of 32
-            return n + (n // GROUP) * 2, "q8 g32 + fp16 scale"
-        # 4-bit codes + one fp16 scale per group of 32 along the input dim
-        return n // 2 + (n // GROUP) * 2, "q4 g32 + fp16 scale"
+        return shape[0] * row_bytes(fmt, shape[1]), f"{kind} {fmt} g{SIGN_GROUP} + fp16 scale"
+    if len(shape) == 2 and shape[-1] % GROUP == 0:   # int8 / int4 codes + one fp16 scale per group of 32 along K
+        fmt = "q8" if quant == "q8f16" else "q4"
+        return shape[0] * row_bytes(fmt, shape[1]), f"{fmt} g{GROUP} + fp16 scale"
     return n * 2, "float16"
 
 
