@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import tvm
 
-from pipeline.artifacts.bundle import atomic_dir, tool_versions, write_manifest
+from pipeline.artifacts.bundle import atomic_dir, bundle_current, tool_versions, write_manifest
 from pipeline.artifacts.chat_config import chat_config
 from pipeline.cache import cache_root, digest, link_or_copy, source_hash, tvm_versions
 from pipeline.compiler import force_cpu as forcing
@@ -52,8 +52,7 @@ from pipeline.quant.memory_plan import memory_plan, modes_for_scheme, plan_markd
 from pipeline.quant.resumable import convert_weights
 from pipeline.report.coverage import coverage_report, write_coverage
 from pipeline.report.html import write_coverage_html
-from pipeline.verify import opencl as verify_opencl
-from pipeline.verify.execution import AUTO_VERIFY_MAX_BYTES, annotate, reference_module, twin_module, verdicts
+from pipeline.verify.execution import record_execution, verify_mode
 
 
 # --------------------------------------------------------------------------------------- stages
@@ -247,7 +246,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     tvm_target = target.tvm()
     backend = backend_for(target)
     forced = forcing.reasons(target, force_cpu)
-    verify = _verify_mode(target, verify, defined)
+    verify = verify_mode(target, verify, sum(_nbytes(p) for _, p in defined.params))
     key = digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
@@ -272,7 +271,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
             report.info(f"force_cpu: {n} kernel(s) of {', '.join(forced)} pinned to the CPU")
         coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size,
                                    param_names=[n for n, _ in defined.params])
-        _record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
+        record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
         coverage["splits"] = list(defined.splits)
         coverage["largest_parameter"] = _largest_parameter(defined, target)
         mod, regions = backend.finish(mod)   # after the report: it lists the kernels, not the regions
@@ -291,37 +290,6 @@ def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:
             "fits": None if not limit else _nbytes(param) <= int(limit)}
 
 
-def _verify_mode(target: TargetSpec, verify: bool | None, defined: Defined) -> str | bool:
-    """Whether and how the build runs its kernels (part of the cache key: the report says what ran)."""
-    if verify is None:
-        verify = bool(target.verify_kernels)
-        if verify and sum(_nbytes(p) for _, p in defined.params) > AUTO_VERIFY_MAX_BYTES:
-            return "too-big"
-    if not verify or not backend_for(target).verifies_on_opencl:
-        return bool(verify)
-
-    return "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
-
-
-def _record_execution(coverage: dict[str, Any], mod: Any, loaded: Loaded, quant: QuantSpec, target: TargetSpec,
-                      schedules: list[Any], verify: Any, report: Reporter) -> None:
-    """The coverage report's "executed here" column, from actual runs (see execution.py)."""
-    twin = None
-    if verify == "pocl" and verify_opencl.find_opencl_device() is not None:
-        with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
-            twin = twin_module(loaded, quant, target)
-            reference = reference_module(loaded, quant)
-            verdict, summary = verdicts(target, schedules, verify, twin, mod, reference)
-    else:
-        verdict, summary = verdicts(target, schedules, verify)
-    annotate(coverage, verdict, summary)
-    if twin is not None:
-        report.info(f"executed here: {summary['executed']} of {len(verdict)} kernels on PoCL "
-                    f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
-    if summary["mismatched"]:
-        report.info(f"[yellow]warning:[/] kernels differ from LLVM on PoCL: {', '.join(summary['mismatched'])}")
-
-
 def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | None, lib_dir: Path,
          build_info: dict[str, Any], out_root: Path, report: Reporter, request_key: str = "",
          extra_reports: dict[str, str] | None = None) -> Path:
@@ -330,7 +298,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
     final = out_root / name
     build_key = digest({"weights": weights.name if weights else None, "lib": build_info["key"],
                          "code": source_hash(), "reports": extra_reports or {}, "phone": target.phone})
-    if _bundle_current(final, build_key):
+    if bundle_current(final, build_key):
         report.info(f"emit: {final} is up to date (build key {build_key})")
         return final
     with atomic_dir(final) as tmp:
@@ -400,21 +368,6 @@ def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, bui
     (out / "memory.md").write_text(plan_markdown(plan))
 
 
-def _bundle_current(final: Path, key: str, field: str = "build_key") -> bool:
-    manifest = final / "manifest.json"
-    if not manifest.exists():
-        return False
-    try:
-        data = json.loads(manifest.read_text())
-    except json.JSONDecodeError:
-        return False
-    if data.get(field, (data.get("extra") or {}).get(field)) != key:
-        return False
-    return all((final / f["path"]).exists() and (final / f["path"]).stat().st_size == f["size"]
-               for f in data.get("files", []))
-
-
-
 # ------------------------------------------------------------------------------------- pipeline
 @dataclass
 class BuildResult:
@@ -482,7 +435,7 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     onnx = is_onnx(model_spec)
     if onnx:
         check_quant(quant_spec, model_spec.weights)
-    if _bundle_current(final, req, field="request_key"):
+    if bundle_current(final, req, field="request_key"):
         report.info(f"{final} is up to date (cache hit: inputs unchanged, all files intact)")
         has_weights = onnx or (final / "tensor-cache.json").exists()
         return BuildResult(final, time.time() - t0, True, has_weights)

@@ -251,3 +251,18 @@ def verify_manifest(bundle_dir: Path, *, allow_unlisted: bool = False) -> None:
             if rel not in listed:
                 raise WeightsError(f"{rel} is not listed in manifest.json", path=bundle_dir / rel,
                                    fix=f"remove it, or {REBUILD_FIX}")
+
+
+def bundle_current(final: Path, key: str, field: str = "build_key") -> bool:
+    """Whether the bundle at `final` was made under `key` (its manifest's `field`) and still has all its files."""
+    manifest = final / "manifest.json"
+    if not manifest.exists():
+        return False
+    try:
+        data = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return False
+    if data.get(field, (data.get("extra") or {}).get(field)) != key:
+        return False
+    return all((final / f["path"]).exists() and (final / f["path"]).stat().st_size == f["size"]
+               for f in data.get("files", []))

@@ -410,3 +410,34 @@ def annotate(report: dict[str, Any], verdict: dict[str, str], summary: dict[str,
 
 if __name__ == "__main__":   # the child of run_twin
     _run_kernels(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5])
+
+
+def verify_mode(target: Any, verify: bool | None, weight_bytes: int) -> str | bool:
+    """Whether and how the build runs its kernels (part of the cache key: the report says what ran);
+    `verify` None: the target's `verify_kernels`, skipped above AUTO_VERIFY_MAX_BYTES of weights."""
+    if verify is None:
+        verify = bool(target.verify_kernels)
+        if verify and weight_bytes > AUTO_VERIFY_MAX_BYTES:
+            return "too-big"
+    if not verify or not backend_for(target).verifies_on_opencl:
+        return bool(verify)
+    return "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
+
+
+def record_execution(coverage: dict[str, Any], mod: Any, loaded: Any, quant: Any, target: Any,
+                     schedules: list[Any], verify: Any, report: Any) -> None:
+    """The coverage report's "executed here" column, from actual runs (`verify` from verify_mode)."""
+    twin = None
+    if verify == "pocl" and verify_opencl.find_opencl_device() is not None:
+        with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
+            twin = twin_module(loaded, quant, target)
+            reference = reference_module(loaded, quant)
+            verdict, summary = verdicts(target, schedules, verify, twin, mod, reference)
+    else:
+        verdict, summary = verdicts(target, schedules, verify)
+    annotate(coverage, verdict, summary)
+    if twin is not None:
+        report.info(f"executed here: {summary['executed']} of {len(verdict)} kernels on PoCL "
+                    f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
+    if summary["mismatched"]:
+        report.info(f"[yellow]warning:[/] kernels differ from LLVM on PoCL: {', '.join(summary['mismatched'])}")
