@@ -77,7 +77,7 @@ class TargetSpec:
 
     def tvm(self):
         """The TVM Target (dict form; string targets were removed in 0.27)."""
-        import tvm
+        import tvm  # local: configs are read by every command; only builds need TVM loaded
 
         spec = dict(self.tvm_target)
         if self.host_native and spec.get("kind") == "llvm" and "mcpu" not in spec:

@@ -80,7 +80,7 @@ def tune_kernel(func: Any, name: str, target_name: str, tvm_target: Any, rules: 
     else:
         runner = LocalRunner(evaluator)
     try:
-        import xgboost  # noqa: F401
+        import xgboost  # noqa: F401 - optional (MetaSchedule's cost model): present or not, said in one line
         cost_model = "xgb"
     except ImportError:
         cost_model = "random"
@@ -121,7 +121,7 @@ def _measure(func: Any, tvm_target: Any, rpc: RPCSpec | None, evaluator: Any) ->
         path = Path(tmp) / "kernel.so"
         lib.export_library(str(path))
         if rpc is not None:
-            from tvm import rpc as tvm_rpc
+            from tvm import rpc as tvm_rpc   # local: RPC needs tornado, only for RPC=host:port:key
 
             session = tvm_rpc.connect_tracker(rpc.host, rpc.port).request(rpc.key, session_timeout=120)
             session.upload(str(path))

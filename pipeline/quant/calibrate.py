@@ -21,6 +21,9 @@ German, Spanish and Chinese — deliberately unlike the held-out text of the qua
 gains are not in-domain), or a text file named in the scheme. It is cut into windows of `window` tokens
 (`tokens` in all, as many whole windows as the text gives, at least one). A checkpoint with no tokenizer
 gets seeded random token ids instead, with a note: right for random-weight test models, poor for real ones.
+
+torch, transformers and tokenizers are imported inside the functions that use them: a build that does not
+calibrate (most schemes) never pays their seconds of import time and hundreds of MB.
 """
 
 from __future__ import annotations
