@@ -52,7 +52,7 @@ def check_quant(quant: QuantSpec, path: Path) -> None:
 
 def read_onnx(path: Path):
     """The ModelProto, or a one-line WeightsError for a file that is not a valid ONNX model."""
-    import onnx   # local: only ONNX builds load onnx / protobuf
+    import onnx  # local: only ONNX builds load onnx / protobuf
     from google.protobuf.message import DecodeError
 
     try:

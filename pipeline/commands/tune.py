@@ -121,7 +121,7 @@ def _measure(func: Any, tvm_target: Any, rpc: RPCSpec | None, evaluator: Any) ->
         path = Path(tmp) / "kernel.so"
         lib.export_library(str(path))
         if rpc is not None:
-            from tvm import rpc as tvm_rpc   # local: RPC needs tornado, only for RPC=host:port:key
+            from tvm import rpc as tvm_rpc  # local: RPC needs tornado, only for RPC=host:port:key
 
             session = tvm_rpc.connect_tracker(rpc.host, rpc.port).request(rpc.key, session_timeout=120)
             session.upload(str(path))

@@ -52,7 +52,7 @@ def prepare(h: np.ndarray, damp: float = DAMP) -> Prepared:
     diag = np.diag(h).astype(np.float64)
     mean = float(diag.mean()) or 1.0
     order = np.argsort(-diag, kind="stable")
-    import torch   # local (as in calibrate.py): builds that do not calibrate never load torch
+    import torch  # local (as in calibrate.py): builds that do not calibrate never load torch
 
     # H^-1 = U^T U with U upper triangular, from one factorisation: with J the reversal permutation and
     # J H J = L L^T, U = J L^-1 J (J L^-1 J is upper triangular and U^T U = J L^-T L^-1 J = H^-1)

@@ -43,7 +43,7 @@ class Bundle:
                                 fix="rebuild the bundle") from None
 
     def tokenizer(self):
-        from transformers import AutoTokenizer   # local: the runtime path loads it only to chat
+        from transformers import AutoTokenizer  # local: the runtime path loads it only to chat
 
         return AutoTokenizer.from_pretrained(str(self.path))
 
