@@ -28,6 +28,12 @@ RELEASE_OUT ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
+# User values reach the pipeline as environment variables, quoted in the recipes ("$$MODEL"): a value is one
+# argument whatever it holds (spaces, quotes, `;`, `$(...)`), never shell code, and make's exit status is the
+# pipeline's.
+export MODEL TARGET QUANT OUT PHONE FORCE_CPU PROMPT RUN_TARGET RUN_QUANT MAX_NEW_TOKENS RPC TRIALS KERNELS \
+       CALIB KV RELEASE RELEASE_OUT MATRIX BUNDLE
+
 .PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead llamacpp release release-matrix
 
 setup: $(STAMP)
@@ -66,22 +72,22 @@ system-deps:
 	fi
 
 build: $(STAMP)
-	$(PY) -m pipeline build --model $(MODEL) --target $(TARGET) --quant $(QUANT) --out $(OUT) $(if $(PHONE),--phone $(PHONE)) $(if $(FORCE_CPU),--force-cpu $(FORCE_CPU)) $(if $(filter 1,$(VERIFY)),--verify)$(if $(filter 0,$(VERIFY)),--no-verify) $(if $(CALIB),--calibration $(CALIB)) $(if $(KV),--kv-cache $(KV))
+	$(PY) -m pipeline build --model "$$MODEL" --target "$$TARGET" --quant "$$QUANT" --out "$$OUT" $(if $(PHONE),--phone "$$PHONE") $(if $(FORCE_CPU),--force-cpu "$$FORCE_CPU") $(if $(filter 1,$(VERIFY)),--verify)$(if $(filter 0,$(VERIFY)),--no-verify) $(if $(CALIB),--calibration "$$CALIB") $(if $(KV),--kv-cache "$$KV")
 
 run: $(STAMP)
-	$(PY) -m pipeline build --model $(MODEL) --target $(RUN_TARGET) --quant $(RUN_QUANT) --out $(OUT)
-	$(PY) -m pipeline run $(OUT)/$(MODEL)-$(RUN_QUANT)-$(RUN_TARGET) --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS)
+	$(PY) -m pipeline build --model "$$MODEL" --target "$$RUN_TARGET" --quant "$$RUN_QUANT" --out "$$OUT"
+	$(PY) -m pipeline run "$$OUT/$$MODEL-$$RUN_QUANT-$$RUN_TARGET" --prompt "$$PROMPT" --max-new-tokens "$$MAX_NEW_TOKENS"
 
 # Build a release file's matrix and package it (dist/release/<name>/: tarballs per target, SHA256SUMS, ...).
 release: $(STAMP)
-	$(PY) -m pipeline release $(RELEASE) --dist $(OUT) $(if $(RELEASE_OUT),--out $(RELEASE_OUT))
+	$(PY) -m pipeline release "$$RELEASE" --dist "$$OUT" $(if $(RELEASE_OUT),--out "$$RELEASE_OUT")
 
 # The CI job matrix of a release file (JSON, one job per model x target) into $(MATRIX), for
 # .github/workflows/release.yml.
 MATRIX ?= $(OUT)/release-matrix.json
 release-matrix: $(STAMP)
 	@mkdir -p $(dir $(MATRIX))
-	$(PY) -m pipeline release $(RELEASE) --matrix > $(MATRIX).tmp && mv $(MATRIX).tmp $(MATRIX)
+	$(PY) -m pipeline release "$$RELEASE" --matrix > "$$MATRIX.tmp" && mv "$$MATRIX.tmp" "$$MATRIX"
 	@cat $(MATRIX)
 
 test: $(STAMP) system-deps
@@ -94,7 +100,7 @@ test-slow: $(STAMP) system-deps
 # MetaSchedule tuning of the model's hot kernels into targets/$(TARGET)/tuning/ (builds apply the records).
 # RPC=host:port:key measures on a device registered with a TVM RPC tracker; without it, on this machine.
 tune: $(STAMP)
-	$(PY) -m pipeline tune --model $(MODEL) --target $(TARGET) --trials $(TRIALS) $(if $(RPC),--rpc $(RPC)) $(if $(KERNELS),--kernels $(KERNELS))
+	$(PY) -m pipeline tune --model "$$MODEL" --target "$$TARGET" --trials "$$TRIALS" $(if $(RPC),--rpc "$$RPC") $(if $(KERNELS),--kernels "$$KERNELS")
 
 # ruff, and the import contract of pyproject.toml [tool.importlinter] (layers from cli down to the ground floor).
 lint: $(STAMP)
@@ -133,16 +139,16 @@ bench-speed: llamacpp
 # (benchmarks/read_floor.py; a host-cpu bundle, e.g. from `make run`).
 BUNDLE ?= dist/$(MODEL)-$(RUN_QUANT)-host-cpu
 bench-read-floor: $(STAMP)
-	$(PY) benchmarks/read_floor.py $(BUNDLE)
+	$(PY) benchmarks/read_floor.py "$$BUNDLE"
 
 # Where the decode step's time goes, per kernel and per thread, from Linux perf samples (benchmarks/decode_profile.py).
 bench-decode-profile: $(STAMP)
-	$(PY) benchmarks/decode_profile.py $(BUNDLE) $(PROFILE_ARGS)
+	$(PY) benchmarks/decode_profile.py "$$BUNDLE" $(PROFILE_ARGS)
 
 # What a decode step costs outside the library's decode function, and the cold caches behind it
 # (benchmarks/host_overhead.py).
 bench-host-overhead: $(STAMP)
-	$(PY) benchmarks/host_overhead.py $(BUNDLE)
+	$(PY) benchmarks/host_overhead.py "$$BUNDLE"
 
 clean:
 	rm -rf .cache dist/*/
