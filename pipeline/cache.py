@@ -7,6 +7,7 @@ own code) and `tvm_versions`, so a changed pass, kernel or compiler invalidates 
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -46,8 +47,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("MLP_CACHE_DIR", ROOT / ".cache"))
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
+FICLONE = 0x40049409   # Linux ioctl: make dst a copy-on-write clone of src (btrfs, XFS, ...)
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy a cached file into a bundle (or a bundle's file into a release) so that the two never share bytes:
+    a reflink where the filesystem offers one (instant, copy-on-write), else a plain copy. Never a hard link:
+    editing one byte of a bundle then changed the cache entry and every other bundle built from it."""
+    with open(src, "rb") as s, open(dst, "wb") as d:
+        try:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        except OSError:
+            shutil.copyfileobj(s, d, 16 * 2**20)
+    shutil.copymode(src, dst)   # a library stays executable, as the release's tar headers record

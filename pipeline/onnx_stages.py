@@ -24,7 +24,7 @@ from tvm import relax, transform
 from tvm.relax.frontend.onnx import from_onnx, onnx_frontend
 
 from pipeline.artifacts.bundle import atomic_dir, file_sha256, tool_versions, write_manifest
-from pipeline.cache import cache_root, digest, link_or_copy, source_hash, tvm_versions
+from pipeline.cache import cache_root, copy_file, digest, source_hash, tvm_versions
 from pipeline.compiler.backend import backend_for
 from pipeline.compiler.compile import compile_library
 from pipeline.compiler.fuse import fusion_passes
@@ -163,7 +163,7 @@ def emit_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, lib_dir: P
     with atomic_dir(final) as tmp:
         (tmp / "lib").mkdir()
         for lib in filter(None, (info["library"], info.get("npu_library"))):
-            link_or_copy(lib_dir / lib, tmp / "lib" / lib)
+            copy_file(lib_dir / lib, tmp / "lib" / lib)
         (tmp / "reports").mkdir()
         shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
         for name in ("coverage.json", "coverage.md"):

@@ -22,7 +22,7 @@ import tvm
 
 from pipeline.artifacts.bundle import atomic_dir, bundle_current, tool_versions, write_manifest
 from pipeline.artifacts.chat_config import chat_config
-from pipeline.cache import cache_root, digest, link_or_copy, source_hash, tvm_versions
+from pipeline.cache import cache_root, copy_file, digest, source_hash, tvm_versions
 from pipeline.compiler import force_cpu as forcing
 from pipeline.compiler.backend import backend_for
 from pipeline.compiler.compile import compile_library
@@ -303,9 +303,9 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         return final
     with atomic_dir(final) as tmp:
         (tmp / "lib").mkdir()
-        link_or_copy(lib_dir / build_info["library"], tmp / "lib" / build_info["library"])
+        copy_file(lib_dir / build_info["library"], tmp / "lib" / build_info["library"])
         if build_info.get("npu_library"):
-            link_or_copy(lib_dir / build_info["npu_library"], tmp / "lib" / build_info["npu_library"])
+            copy_file(lib_dir / build_info["npu_library"], tmp / "lib" / build_info["npu_library"])
         (tmp / "reports").mkdir()
         shutil.copyfile(lib_dir / "build.json", tmp / "reports" / "kernels.json")
         for name in ("coverage.json", "coverage.md"):
@@ -316,7 +316,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         write_coverage_html(tmp / "reports")   # reports/coverage.html: coverage + memory plan, self-contained
         if weights is not None:
             for f in sorted(weights.iterdir()):
-                link_or_copy(f, tmp / f.name)
+                copy_file(f, tmp / f.name)
         tokenizer_files = []
         if loaded.checkpoint:
             try:

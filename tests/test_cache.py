@@ -40,6 +40,17 @@ def test_unchanged_rebuild_is_a_cache_hit(tmp_path):
     third = run_pipeline(str(folder), "host-cpu", "q0f32", out=str(out), report=Reporter(quiet=True))
     assert json.loads((third.bundle / "mlc-chat-config.json").read_text())["model_type"] == "qwen3"
 
+    # A bundle owns its files (no hard link into the cache), and "up to date" checks content, not sizes: one
+    # byte flipped in place in a weight shard is caught by the next build, which restores it from the cache.
+    assert all(f.stat().st_nlink == 1 for f in third.bundle.rglob("*") if f.is_file())
+    shard = sorted(third.bundle.glob("params_shard_*.bin"))[0]
+    good = shard.read_bytes()
+    with open(shard, "r+b") as f:
+        f.seek(len(good) // 2)
+        f.write(bytes([good[len(good) // 2] ^ 0xFF]))
+    fourth = run_pipeline(str(folder), "host-cpu", "q0f32", out=str(out), report=Reporter(quiet=True))
+    assert not fourth.cached and shard.read_bytes() == good
+
     # A different quantization is a different bundle with its own key.
     other = run_pipeline(str(folder), "host-cpu", "q0f16", out=str(out), report=Reporter(quiet=True))
     assert other.bundle != first.bundle and not other.cached

@@ -254,7 +254,8 @@ def verify_manifest(bundle_dir: Path, *, allow_unlisted: bool = False) -> None:
 
 
 def bundle_current(final: Path, key: str, field: str = "build_key") -> bool:
-    """Whether the bundle at `final` was made under `key` (its manifest's `field`) and still has all its files."""
+    """Whether the bundle at `final` was made under `key` (its manifest's `field`) and every file in it is the
+    one the manifest lists (size and sha256)."""
     manifest = final / "manifest.json"
     if not manifest.exists():
         return False
@@ -264,5 +265,8 @@ def bundle_current(final: Path, key: str, field: str = "build_key") -> bool:
         return False
     if data.get(field, (data.get("extra") or {}).get(field)) != key:
         return False
-    return all((final / f["path"]).exists() and (final / f["path"]).stat().st_size == f["size"]
-               for f in data.get("files", []))
+    try:   # content, not sizes: a file edited in place is not "up to date"
+        verify_manifest(final)
+    except WeightsError:
+        return False
+    return True

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts.bundle import atomic_dir, file_sha256, tool_versions
+from pipeline.cache import copy_file
 from pipeline.config import (
     CONFIGS,
     ROOT,
@@ -237,7 +238,7 @@ def _package_target(spec: ReleaseSpec, target: TargetSpec, items: list[Built], o
     for b in items:
         kernels = b.json("reports/kernels.json")
         if kernels.get("npu_library"):     # a second library for another processor: shipped beside it
-            _link_or_copy(b.bundle / "lib" / kernels["npu_library"], out / "lib" / f"{b.model_id}-{kernels['npu_library']}")
+            copy_file(b.bundle / "lib" / kernels["npu_library"], out / "lib" / f"{b.model_id}-{kernels['npu_library']}")
         _copy_weights(b, out / b.model_id, libs[b.model_id])
         _copy_reports(b, out / "reports" / b.model_id)
         entry = {"model_id": b.model_id, "model_lib": libs[b.model_id], "model_path": b.model_id,
@@ -298,7 +299,7 @@ def _extract_objects(tar_path: Path, work: Path, model_id: str) -> list[str]:
 def _copy_shared(b: Built, lib_dir: Path) -> str:
     """host-cpu: the model's .so, copied as lib/<model_id>.so (shared libraries are not merged)."""
     kernels = b.json("reports/kernels.json")
-    _link_or_copy(b.bundle / "lib" / kernels["library"], lib_dir / f"{b.model_id}.so")
+    copy_file(b.bundle / "lib" / kernels["library"], lib_dir / f"{b.model_id}.so")
     return f"lib/{b.model_id}.so"
 
 
@@ -309,7 +310,7 @@ def _copy_weights(b: Built, dest: Path, model_lib: str) -> None:
         rel = entry["path"]
         if "/" in rel or rel == "mlc-chat-config.json":   # lib/ and reports/ are packaged separately
             continue
-        _link_or_copy(b.bundle / rel, dest / rel)
+        copy_file(b.bundle / rel, dest / rel)
     config = b.json("mlc-chat-config.json")
     config["model_lib"] = model_lib
     (dest / "mlc-chat-config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -319,7 +320,7 @@ def _copy_reports(b: Built, dest: Path) -> None:
     dest.mkdir(parents=True)
     for src in sorted((b.bundle / "reports").iterdir()):
         if src.is_file():
-            _link_or_copy(src, dest / src.name)
+            copy_file(src, dest / src.name)
 
 
 def estimated_vram_bytes(b: Built) -> int:
@@ -413,14 +414,6 @@ def write_sha256sums(root: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------- helpers
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link when possible (release files are never modified in place), else copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-
-
 def _tool(candidates: tuple[str, ...], env: str) -> str:
     for candidate in ((os.environ[env],) if os.environ.get(env) else candidates):
         found = shutil.which(candidate)
