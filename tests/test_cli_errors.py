@@ -128,3 +128,42 @@ def test_vulkan_target_says_what_is_missing(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "target.build.vulkan" in lines[0] and "USE_VULKAN" in lines[0]
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def built_bundle(tmp_path_factory, good_folder) -> Path:
+    from pipeline.progress import Reporter
+    from pipeline.stages import run_pipeline
+
+    out = tmp_path_factory.mktemp("dist")
+    return run_pipeline(str(good_folder), "host-cpu", "q0f32", out=str(out), report=Reporter(quiet=True)).bundle
+
+
+def _run(bundle: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "run", str(bundle), "--prompt", "hi",
+                           "--max-new-tokens", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_run_refuses_a_modified_library(tmp_path, built_bundle):
+    """`pipeline run` checks every file against the manifest's sha256 before it loads anything."""
+    bundle = _copy(built_bundle, tmp_path / "b")
+    lib = next((bundle / "lib").glob("*.so"))
+    data = bytearray(lib.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    lib.write_bytes(bytes(data))
+    result = _run(bundle)
+    assert result.returncode == 2, result.stderr
+    assert "sha256 differs from manifest.json" in result.stderr and lib.name in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_run_refuses_a_model_lib_outside_the_bundle(tmp_path, built_bundle):
+    bundle = _copy(built_bundle, tmp_path / "b")
+    cfg = json.loads((bundle / "mlc-chat-config.json").read_text())
+    (tmp_path / "evil.so").write_bytes((bundle / cfg["model_lib"]).read_bytes())
+    cfg["model_lib"] = "../evil.so"
+    (bundle / "mlc-chat-config.json").write_text(json.dumps(cfg))
+    result = subprocess.run([sys.executable, "-m", "pipeline", "run", str(bundle), "--prompt", "hi",
+                             "--skip-verify"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "model_lib '../evil.so' is not a file inside the bundle" in result.stderr

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
+from pipeline.artifacts.bundle import verify_manifest
 from pipeline.artifacts.tensor_cache import iter_tensor_cache
 from pipeline.errors import PipelineError
 from pipeline.runtime.engine import Engine, MissingWeightsError
@@ -19,14 +20,23 @@ from pipeline.runtime.host_memory import HugePageArena
 class Bundle:
     """A built bundle directory: library, weights, tokenizer, configs."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, verify: bool = True):
+        """`verify`: check every file against the manifest's sha256 before anything is loaded (a flipped byte
+        in the library or a shard is refused in one line); off for a bundle already checked this session."""
         self.path = Path(path)
         cfg_path = self.path / "mlc-chat-config.json"
         if not cfg_path.exists():
             raise PipelineError("not a bundle (no mlc-chat-config.json)", path=self.path,
                                 fix="build one with `python -m pipeline build --target host-cpu`")
+        if verify:
+            verify_manifest(self.path, allow_unlisted=True)
         self.config = json.loads(cfg_path.read_text())
-        self.library = self.path / self.config["model_lib"]
+        model_lib = PurePosixPath(str(self.config.get("model_lib", "")))
+        self.library = self.path / model_lib
+        if (not model_lib.parts or model_lib.is_absolute() or ".." in model_lib.parts
+                or not self.library.resolve().is_relative_to(self.path.resolve())):
+            raise PipelineError(f"model_lib {str(model_lib)!r} is not a file inside the bundle", path=cfg_path,
+                                fix="rebuild the bundle (python -m pipeline build ...)")
         if self.library.suffix != ".so":
             raise PipelineError(f"the library {self.library.name} is for a phone, not this computer",
                                 path=self.path, fix="build with --target host-cpu to run it here")
