@@ -775,7 +775,7 @@ def _cache_note(res: dict[str, Any], model: str) -> list[str]:
 
 
 def _builds_text(builds: list[dict[str, Any]] | None) -> str:
-    """The Versions line's account of the llama.cpp builds (results before 2026-12-06 have none: one build)."""
+    """The Versions line's account of the llama.cpp builds (older results have none: they had one build, their note says which)."""
     if not builds:
         return ""
     each = ", ".join(f"{b['name']} ({b['note']}) gave {b['figures']} figure{'s' * (b['figures'] != 1)}"
