@@ -7,11 +7,14 @@ never committed, and reuses it when present:
 
     .cache/llama.cpp/<version>/llama_cpp_python-<version>.tar.gz   the sdist
     .cache/llama.cpp/<version>/src/                                 its vendor/llama.cpp
-    .cache/llama.cpp/<version>/build/bin/llama-*                    the tools
+    .cache/llama.cpp/<version>/build/bin/llama-*                    the tools (the native build)
     .cache/llama.cpp/<version>/BUILT                                written last (a finished build)
-    .cache/llama.cpp/<version>/build-noamx/, BUILT-noamx            the same on a CPU with AMX (build_variant)
+    .cache/llama.cpp/<version>/build-noamx/, BUILT-noamx            on a CPU with AMX, also a build without it
 
-    .venv/bin/python benchmarks/llamacpp.py            # build (about 10 min on 2 cores), print paths
+Which builds a machine gets: `variants()`. The speed benchmark measures with each of them and keeps each
+figure from the fastest build that ran it; the other tools use `ensure_built()`'s one (`safe_variant()`).
+
+    .venv/bin/python benchmarks/llamacpp.py            # build them (about 10 min each on 2 cores), print paths
     .venv/bin/python benchmarks/llamacpp.py --jobs 4
 
 Needs cmake (>= 3.14), ninja (or make) and a C++17 compiler; `pip install cmake ninja` provides the
@@ -47,10 +50,13 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_TOOLS=ON",
 )
-# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX matmul in, and in this version it segfaults
-# (ggml_backend_amx_mul_mat, seen under gdb on a Xeon with amx_int8 on 2026-12-05: every Q4_0 / Q8_0 / Q4_K /
-# TQ2_0 llama-bench run died with SIGSEGV; F16 ran). Such CPUs get a build without it (its AVX-512 / VNNI paths
-# and CPU repacking stay), in its own folder so a cached build of the other kind is never mixed up with it.
+# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX matmul in, and in this version it segfaults in prompt
+# processing (ggml_backend_amx_mul_mat, seen under gdb on a Xeon with amx_int8 on 2026-12-05: every Q4_0 / Q8_0 /
+# Q4_K / TQ2_0 llama-bench run, prompt first, died with SIGSEGV; F16 ran). Its decode runs, though, and about
+# twice as fast as a build without AMX (SmolLM2 Q4_0 tg128, empty context: 218-237 vs ~105 tok/s). So such CPUs
+# get both builds, each in its own folder (a cached build of one kind is never taken for the other), and the
+# speed benchmark keeps each figure from the one that runs it fastest. The build without AMX keeps the AVX-512 /
+# VNNI paths and CPU repacking.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
@@ -69,12 +75,30 @@ def cpu_has_amx(cpuinfo: str | None = None) -> bool:
     return "amx_int8" in flags or "amx_tile" in flags
 
 
-def build_variant(amx: bool | None = None) -> tuple[str, tuple[str, ...], str]:
-    """(folder suffix, extra cmake flags, a note for the results) of the build this machine gets."""
-    if amx if amx is not None else cpu_has_amx():
-        return ("-noamx", (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"),
-                "built without AMX (-mno-amx-*): this version's AMX matmul segfaults on this CPU")
-    return "", (), ""
+@dataclass(frozen=True)
+class Variant:
+    """One kind of build: its name in the results, folder suffix, extra cmake flags and what it is."""
+
+    name: str
+    suffix: str
+    flags: tuple[str, ...]
+    note: str
+
+
+NATIVE = Variant("native", "", (), "GGML_NATIVE: every ISA extension of this CPU (AMX too, where it has it)")
+NOAMX = Variant("no-amx", "-noamx", (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"),
+                "GGML_NATIVE without AMX (-mno-amx-*): this version's AMX matmul segfaults in prompt processing")
+
+
+def variants(amx: bool | None = None) -> list[Variant]:
+    """The builds this machine gets: the native one always; with AMX (default: this CPU's flags) also one without
+    it, since the native one crashes in prompt processing there but decodes fastest."""
+    return [NATIVE, NOAMX] if (amx if amx is not None else cpu_has_amx()) else [NATIVE]
+
+
+def safe_variant(amx: bool | None = None) -> Variant:
+    """The build the tools other than the speed benchmark's llama-bench use: one that runs everything."""
+    return variants(amx)[-1]
 
 
 class BuildError(RuntimeError):
@@ -88,7 +112,8 @@ class LlamaCpp:
     version: str
     src: Path
     bin: Path
-    note: str = ""     # how this build differs from the plain native one (build_variant), if it does
+    build: str = NATIVE.name     # the Variant's name
+    note: str = NATIVE.note
 
     def tool(self, name: str) -> Path:
         return self.bin / name
@@ -168,20 +193,23 @@ def _run(cmd: list[str], log: Path, nice: bool) -> None:
         raise BuildError(f"`{' '.join(cmd[:3])} ...` failed (exit {rc}) — see {log} for the compiler output")
 
 
-def find_built(version: str = VERSION, cache: Path = CACHE) -> LlamaCpp | None:
-    """The cached build if it finished (the BUILT marker is written after the last tool linked)."""
+def find_built(version: str = VERSION, cache: Path = CACHE, variant: Variant | None = None) -> LlamaCpp | None:
+    """The cached build of that kind (default `safe_variant()`) if it finished (its BUILT marker is written after
+    the last tool linked)."""
+    v = variant or safe_variant()
     home = cache / version
-    suffix, _, note = build_variant()
-    lc = LlamaCpp(version, home / "src", home / f"build{suffix}" / "bin", note)
-    if (home / f"BUILT{suffix}").exists() and all(lc.tool(t).exists() for t in TOOLS):
+    lc = LlamaCpp(version, home / "src", home / f"build{v.suffix}" / "bin", v.name, v.note)
+    if (home / f"BUILT{v.suffix}").exists() and all(lc.tool(t).exists() for t in TOOLS):
         return lc
     return None
 
 
 def ensure_built(version: str = VERSION, cache: Path = CACHE, jobs: int = 2, nice: bool = True,
-                 quiet: bool = False) -> LlamaCpp:
-    """Reuse a finished build, else fetch + configure + build the tools (resumes a half build: ninja)."""
-    found = find_built(version, cache)
+                 quiet: bool = False, variant: Variant | None = None) -> LlamaCpp:
+    """Reuse a finished build of that kind (default `safe_variant()`), else fetch + configure + build the tools
+    (resumes a half build: ninja)."""
+    v = variant or safe_variant()
+    found = find_built(version, cache, v)
     if found:
         return found
     home = cache / version
@@ -193,16 +221,15 @@ def ensure_built(version: str = VERSION, cache: Path = CACHE, jobs: int = 2, nic
     except BuildError:
         generator = []  # cmake's default (make) still works, only slower to start
     src = _extract(_sdist(version, home), home / "src")
-    suffix, extra_flags, _ = build_variant()
-    build = home / f"build{suffix}"
-    log = home / f"build{suffix}.log"
+    build = home / f"build{v.suffix}"
+    log = home / f"build{v.suffix}.log"
     if not quiet:
-        print(f"building llama.cpp {version} ({', '.join(TOOLS)}) with -j{jobs}; log: {log}", flush=True)
+        print(f"building llama.cpp {version} ({v.name}: {', '.join(TOOLS)}) with -j{jobs}; log: {log}", flush=True)
     if not (build / "CMakeCache.txt").exists():
-        _run([cmake, "-S", str(src), "-B", str(build), *generator, *CMAKE_FLAGS, *extra_flags], log, nice)
+        _run([cmake, "-S", str(src), "-B", str(build), *generator, *CMAKE_FLAGS, *v.flags], log, nice)
     _run([cmake, "--build", str(build), "-j", str(jobs), "--target", *TOOLS], log, nice)
-    (home / f"BUILT{suffix}").write_text(version + "\n")
-    lc = find_built(version, cache)
+    (home / f"BUILT{v.suffix}").write_text(version + "\n")
+    lc = find_built(version, cache, v)
     if lc is None:
         raise BuildError(f"build finished but the tools are missing from {build / 'bin'} — see {log}")
     return lc
@@ -215,13 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", "-j", type=int, default=2)
     ap.add_argument("--no-nice", action="store_true", help="do not lower the build's priority")
     args = ap.parse_args(argv)
-    try:
-        lc = ensure_built(args.version, args.cache, args.jobs, nice=not args.no_nice)
-    except BuildError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for t in TOOLS:
-        print(lc.tool(t))
+    for v in variants():
+        try:
+            lc = ensure_built(args.version, args.cache, args.jobs, nice=not args.no_nice, variant=v)
+        except BuildError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        for t in TOOLS:
+            print(lc.tool(t))
     print(lc.converter)
     return 0
 

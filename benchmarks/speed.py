@@ -9,11 +9,14 @@ with random weights made here), on this machine, with the same number of threads
   `decode_tokens` greedy tokens (right after the 128-token prompt), time to first token (prefill of
   the 128-token prompt + argmax), peak RSS through decode (the child's own VmHWM after its decode
   runs) and over the whole child (its VmHWM polled while it runs: `run_measured`);
-* llama.cpp on the same weights (its converter to an F16 GGUF, llama-quantize to each type):
-  `llama-bench -p <lengths> -n <decode> -t <threads> -r N -o json`, decode again after as many cached
-  tokens as ours (`-d <first prompt length>`: the decode figure; the empty-context tg is kept beside it),
-  peak RSS of that process
-  (the same way), and of a decode-only run (`-p 0 -n 16`) for the RSS through decode;
+* llama.cpp on the same weights (its converter to an F16 GGUF, llama-quantize to each type), with each
+  build this machine gets (llamacpp.variants(): the native one, and on a CPU with AMX one without it):
+  `llama-bench -t <threads> -r N -o json` with `-p <lengths> -n 0` (prefill; peak RSS of that process, the
+  same way), `-p 0 -n <decode> -d <first prompt length>` (the decode figure: after as many cached tokens as
+  ours) and `-p 0 -n <decode>` (empty context, kept beside it; its process's peak is the RSS through decode),
+  each in its own process so a build that crashes in one (AMX in prompt processing) keeps the others. Each
+  figure is the fastest build's that ran it (the peer at its best), and the row records which build gave it
+  and the others' figures or crashes (fastest_builds);
 * this machine's streaming-read bandwidth (a small C program, pthreads, compiled here with cc -O3 at
   bench time; the best of several passes over 1 GiB with `threads` threads), probed at the start and
   after each model (the best probe is the run's bandwidth: the machine's speed drifts), and for each decode
@@ -51,6 +54,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -464,31 +468,107 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
             "cpu_info": first.get("cpu_info"), "model_type": first.get("model_type")}
 
 
+def _exit_text(rc: int) -> str:
+    """'exit 1', or the signal that killed the process ('SIGSEGV')."""
+    if rc < 0:
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit {rc}"
+
+
 def measure_gguf(lc, gguf: Path, prefill: list[int], decode: int, threads: int, reps: int) -> dict[str, Any]:
+    """One build's llama-bench figures on a GGUF, in three processes so that a crash in one (the AMX matmul in
+    prompt processing) leaves the others' figures: `crashed` names each run that died and how."""
     bench = str(lc.tool("llama-bench"))
-    common = ["-m", str(gguf), "-t", str(threads), "-o", "json"]
-    full = run_measured([bench, *common, "-p", ",".join(map(str, prefill)), "-n", str(decode), "-r", str(reps)])
-    if full["rc"] != 0:
-        raise RuntimeError(f"llama-bench on {gguf.name} failed (exit {full['rc']}): {full['stderr'][-200:]}")
-    # decode after as many cached tokens as ours decodes after (its first prompt): attention over them is
-    # part of every step (-d, n_depth); the tg above, from an empty context, is kept beside it
-    deep = run_measured([bench, *common, "-p", "0", "-n", str(decode), "-d", str(prefill[0]), "-r", str(reps)])
-    if deep["rc"] != 0:
-        raise RuntimeError(f"llama-bench -d on {gguf.name} failed (exit {deep['rc']}): {deep['stderr'][-200:]}")
-    # decode-only process for the RSS through decode (16 tokens: the buffers are the same as for more)
-    dec = run_measured([bench, *common, "-p", "0", "-n", "16", "-r", "1", "--no-warmup"])
-    parsed = parse_llama_bench(full["stdout"])
-    t = parsed["tests"]
-    first = t.get(f"pp{prefill[0]}", {}).get("median")
-    return {"prefill_tok_s": {str(n): t.get(f"pp{n}", spread([])) for n in prefill},
-            "decode_tok_s": parse_llama_bench(deep["stdout"])["tests"].get(f"tg{decode}", spread([])),
-            "decode_depth": prefill[0],
-            "decode_tok_s_empty_context": t.get(f"tg{decode}", spread([])),
-            "ttft_s": {"median": prefill[0] / first if first else None, "derived": f"{prefill[0]} / pp{prefill[0]}"},
-            "peak_rss_bytes": full["max_rss_bytes"],
-            "decode_rss_bytes": dec["max_rss_bytes"] if dec["rc"] == 0 else None,
-            "build_commit": parsed["build_commit"], "build_number": parsed["build_number"],
-            "model_type": parsed["model_type"], "seconds": full["seconds"]}
+    common = ["-m", str(gguf), "-t", str(threads), "-o", "json", "-r", str(reps)]
+    runs = {  # decode after as many cached tokens as ours decodes after (its first prompt: -d, n_depth) is the
+        # decode figure; the empty-context one is kept beside it, its process's peak RSS is the RSS through decode
+        "prefill": ["-p", ",".join(map(str, prefill)), "-n", "0"],
+        "decode": ["-p", "0", "-n", str(decode), "-d", str(prefill[0])],
+        "decode_empty_context": ["-p", "0", "-n", str(decode)],
+    }
+    out: dict[str, Any] = {"build": lc.build, "crashed": {}, "decode_depth": prefill[0]}
+    for name, args in runs.items():
+        run = run_measured([bench, *common, *args])
+        if run["rc"] != 0:
+            tail = [ln for ln in run["stderr"].splitlines() if ln.strip()][-1:] or ["no output"]
+            out["crashed"][name] = f"{_exit_text(run['rc'])}: {tail[0][:160]}"
+            continue
+        parsed = parse_llama_bench(run["stdout"])
+        t = parsed["tests"]
+        out.update(build_commit=parsed["build_commit"], build_number=parsed["build_number"],
+                   model_type=parsed["model_type"])
+        if name == "prefill":
+            out.update(prefill_tok_s={str(n): t.get(f"pp{n}", spread([])) for n in prefill},
+                       peak_rss_bytes=run["max_rss_bytes"], seconds=run["seconds"])
+        elif name == "decode":
+            out["decode_tok_s"] = t.get(f"tg{decode}", spread([]))
+        else:
+            out.update(decode_tok_s_empty_context=t.get(f"tg{decode}", spread([])),
+                       decode_rss_bytes=run["max_rss_bytes"])
+    return out
+
+
+def _figure(m: dict[str, Any], figure: str) -> dict[str, Any] | None:
+    """A measured figure by name — 'prefill-<n>', 'decode' or 'decode_empty_context' (the run it comes from,
+    measure_gguf's, is the name before '-') — of a build's or a row's figures."""
+    if figure.startswith("prefill-"):
+        return (m.get("prefill_tok_s") or {}).get(figure.removeprefix("prefill-"))
+    return m.get(figure.replace("decode", "decode_tok_s", 1))
+
+
+def fastest_builds(measured: list[dict[str, Any]], prefill: list[int]) -> dict[str, Any]:
+    """A row's llama.cpp figures from its builds' (measure_gguf's): each figure from the build that ran it
+    fastest (median), a build that crashed on it left out: the peer is the fastest configuration that runs.
+    `build_used` names that build per figure, `builds` keeps every build's own figures and crashes. The RSS
+    figures come with the runs they were read in: the peak with the first prefill's, through decode with the
+    empty-context decode's."""
+    row: dict[str, Any] = {"builds": {m["build"]: m for m in measured}, "build_used": {}, "prefill_tok_s": {},
+                           "decode_depth": prefill[0]}
+    for figure in [f"prefill-{n}" for n in prefill] + ["decode", "decode_empty_context"]:
+        ran = [m for m in measured if (_figure(m, figure) or {}).get("median") is not None]
+        m = max(ran, key=lambda m: _figure(m, figure)["median"], default=None)
+        value = _figure(m, figure) if m else spread([])
+        if figure.startswith("prefill-"):
+            row["prefill_tok_s"][figure.removeprefix("prefill-")] = value
+        else:
+            row[figure.replace("decode", "decode_tok_s", 1)] = value
+        if m is None:
+            continue
+        row["build_used"][figure] = m["build"]
+        if figure == f"prefill-{prefill[0]}":
+            row["peak_rss_bytes"] = m["peak_rss_bytes"]
+        elif figure == "decode_empty_context":
+            row["decode_rss_bytes"] = m["decode_rss_bytes"]
+    first = row["prefill_tok_s"][str(prefill[0])]["median"]
+    row["ttft_s"] = {"median": prefill[0] / first if first else None, "derived": f"{prefill[0]} / pp{prefill[0]}"}
+    info = next((m for m in measured if m.get("build_commit")), {})
+    row.update({k: info.get(k) for k in ("build_commit", "build_number", "model_type")})
+    return row
+
+
+def builds_used(lcs: list, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results' record of the llama.cpp builds there were: each one's name, what it is, and how many of the
+    run's figures it gave (0: it ran nothing fastest, or crashed on everything)."""
+    used = [u for r in rows for u in (r.get("build_used") or {}).values()]
+    return [{"name": lc.build, "note": lc.note, "figures": used.count(lc.build)} for lc in lcs]
+
+
+def builds_note(row: dict[str, Any]) -> str:
+    """For the markdown: which build gave each of a row's figures, beside the other builds' figures or crashes
+    (nothing to say with one build: the Versions line names it)."""
+    builds = row.get("builds") or {}
+    if len(builds) < 2:
+        return ""
+    parts = []
+    for figure, used in row.get("build_used", {}).items():
+        others = [f"{name} crashed ({m['crashed'][figure.split('-')[0]].split(':')[0]})"
+                  if figure.split("-")[0] in m["crashed"] else f"{name} {_s(_figure(m, figure))}"
+                  for name, m in builds.items() if name != used]
+        parts.append(f"{figure.replace('_', ' ')}: {used}" + (f" (vs {', '.join(others)})" if others else ""))
+    return "builds — " + "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------ bandwidth
@@ -694,6 +774,16 @@ def _cache_note(res: dict[str, Any], model: str) -> list[str]:
             "may come from cache, so a roofline share against the DRAM probe can pass 100%.", ""]
 
 
+def _builds_text(builds: list[dict[str, Any]] | None) -> str:
+    """The Versions line's account of the llama.cpp builds (older results have none: they had one build, their note says which)."""
+    if not builds:
+        return ""
+    each = ", ".join(f"{b['name']} ({b['note']}) gave {b['figures']} figure{'s' * (b['figures'] != 1)}"
+                     for b in builds)
+    rule = "; each figure is from the fastest build that ran it, named in the row's note" if len(builds) > 1 else ""
+    return f"; builds: {each}{rule}"
+
+
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     bw = res["bandwidth"]
@@ -704,6 +794,7 @@ def markdown(res: dict[str, Any]) -> str:
              "after (the machine is shared: figures are what was measured under that load).",
              f"Versions: TVM {m['packages'].get('apache-tvm')}, llama.cpp vendored in llama-cpp-python "
              f"{res['llamacpp'].get('version')} (llama-bench build commit: {res['llamacpp'].get('build_commit')}"
+             + _builds_text(res["llamacpp"].get("builds"))
              + (f"; {res['llamacpp']['note']}" if res['llamacpp'].get('note') else "") + "), "
              f"ours at git {res['git_commit']}.",
              f"Memory bandwidth (streaming read, {bw.get('threads')} threads): "
@@ -853,11 +944,13 @@ def measurement_order(ours: list[str], theirs: list[str], counterparts: dict[str
     return order + [("llama.cpp", t) for t in theirs if ("llama.cpp", t) not in order]
 
 
-def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print,
+def bench_model(model: dict[str, Any], cfg: dict[str, Any], lcs: list, log=print,
                 near_probe=None) -> list[dict[str, Any]]:
     """Build every bundle and GGUF first, then measure them, each of ours right before its llama.cpp
     counterpart (speed.yaml: counterparts): the machine is shared and its speed drifts over minutes (a
     full run once saw 28-39 GB/s), so the two figures of a goal's ratio are taken next to each other.
+    `lcs`: the llama.cpp builds (llamacpp.variants()), each GGUF measured with every one of them; the GGUFs
+    are made with the last (llamacpp.safe_variant()'s, when built).
     `near_probe()`: GB/s (or None) read before the first measurement and after each; a row gets the better of
     its two neighbours as `bandwidth_near_gbs`."""
     log(f"{model['name']}: preparing weights ...")
@@ -887,12 +980,12 @@ def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print,
     theirs = {t: {"model": model["name"], "side": "llama.cpp", "scheme": t} for t in cfg["llamacpp"]}
     wanted = [t for t in cfg["llamacpp"] if t in model.get("llamacpp", cfg["llamacpp"])]
     ggufs: dict[str, Path] = {}
-    if lc is None:
+    if not lcs:
         for row in theirs.values():
             row["note"] = "llama.cpp not built"
     else:
         try:
-            ggufs = llamacpp_ggufs(lc, weights, wanted, WORK / "gguf" / model["name"])
+            ggufs = llamacpp_ggufs(lcs[-1], weights, wanted, WORK / "gguf" / model["name"])
         except RuntimeError as err:
             log(f"  llama.cpp conversion: {err}")
         for qtype, row in theirs.items():
@@ -907,7 +1000,7 @@ def bench_model(model: dict[str, Any], cfg: dict[str, Any], lc, log=print,
             _measure_ours(row, bundles[name], model, cfg, name in long_ok, log)
         elif side == "llama.cpp" and name in ggufs:
             row = theirs[name]
-            _measure_theirs(row, ggufs[name], lc, model, cfg, log)
+            _measure_theirs(row, ggufs[name], lcs, model, cfg, log)
         else:
             continue
         after = near_probe() if near_probe else None
@@ -935,7 +1028,7 @@ def _measure_ours(row: dict[str, Any], bundle: Path, model: dict[str, Any], cfg:
         log(f"  ours {scheme}: {row['note']}")
 
 
-def _measure_theirs(row: dict[str, Any], gguf: Path, lc, model: dict[str, Any], cfg: dict[str, Any],
+def _measure_theirs(row: dict[str, Any], gguf: Path, lcs: list, model: dict[str, Any], cfg: dict[str, Any],
                     log=print) -> None:
     qtype = row["scheme"]
     try:
@@ -945,11 +1038,19 @@ def _measure_theirs(row: dict[str, Any], gguf: Path, lc, model: dict[str, Any], 
             row["kv_bytes_per_token"] = kv_read_bytes(info["kv_bytes_per_position"], model["prefill"][0],
                                                       cfg["decode_tokens"])
         row["load_average_1m"] = os.getloadavg()[0]
-        row.update(measure_gguf(lc, gguf, model["prefill"], cfg["decode_tokens"], cfg["threads"],
-                                model.get("llamacpp_reps", cfg["llamacpp_reps"])))
-        row["note"] = _gguf_types(gguf)
+        measured = [measure_gguf(lc, gguf, model["prefill"], cfg["decode_tokens"], cfg["threads"],
+                                 model.get("llamacpp_reps", cfg["llamacpp_reps"])) for lc in lcs]
+        for m in measured:
+            for run, how in m["crashed"].items():
+                log(f"  llama.cpp {qtype} ({m['build']} build): {run} crashed: {how}")
+        row.update(fastest_builds(measured, model["prefill"]))
+        if not row["build_used"]:
+            raise RuntimeError("llama-bench crashed with every build: " + "; ".join(
+                f"{m['build']}: {', '.join(f'{r} {how}' for r, how in m['crashed'].items())}" for m in measured))
+        row["note"] = "; ".join(filter(None, [_gguf_types(gguf), builds_note(row)]))
         log(f"  llama.cpp {qtype}: decode {_s(row['decode_tok_s'])} tok/s, prefill "
-            + ", ".join(f"{n}: {_s(v)}" for n, v in row["prefill_tok_s"].items()))
+            + ", ".join(f"{n}: {_s(v)}" for n, v in row["prefill_tok_s"].items())
+            + (f" ({builds_note(row)})" if builds_note(row) else ""))
     except (RuntimeError, ValueError, KeyError) as err:
         row["note"] = f"failed: {str(err)[:200]}"
         log(f"  llama.cpp {qtype}: {row['note']}")
@@ -1013,13 +1114,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     print(f"speed: {', '.join(m['name'] for m in cfg['models'])}; {cfg['threads']} threads; "
           f"load average {load_before[0]:.2f}", flush=True)
-    lc, lc_note = None, ""
-    if not args.no_llamacpp:
+    lcs, lc_notes = [], []
+    for variant in [] if args.no_llamacpp else llamacpp.variants():
         try:
-            lc = llamacpp.ensure_built()
+            lcs.append(llamacpp.ensure_built(variant=variant))
         except llamacpp.BuildError as err:
-            lc_note = str(err)
-            print(f"  llama.cpp not available: {err}")
+            lc_notes.append(f"{variant.name} build not available: {err}")
+            print(f"  llama.cpp {lc_notes[-1]}")
     probes: list[tuple[str, dict[str, Any]]] = []
 
     def probe(when: str) -> None:
@@ -1036,7 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     models_out = []
     for model in cfg["models"]:
-        rows += bench_model(model, cfg, lc, log=lambda s: print(s, flush=True),
+        rows += bench_model(model, cfg, lcs, log=lambda s: print(s, flush=True),
                             near_probe=(lambda: _near_probe(cfg["threads"])) if probing else None)
         models_out.append({**model, "params": model_params(model)})
         if probing:
@@ -1048,8 +1149,9 @@ def main(argv: list[str] | None = None) -> int:
     phones = yaml.safe_load(PHONES_FILE.read_text())
     share = float(cfg["phone_bandwidth_share"])
     goals = goal_verdicts(rows, cfg.get("goals", []), [m["name"] for m in cfg["models"]])
-    lc_info = {"version": llamacpp.VERSION, "note": lc_note or (lc.note if lc else ""),
-               "build_commit": next((r["build_commit"] for r in rows if r.get("build_commit")), None)}
+    lc_info = {"version": llamacpp.VERSION, "note": "; ".join(lc_notes),
+               "build_commit": next((r["build_commit"] for r in rows if r.get("build_commit")), None),
+               "builds": builds_used(lcs, rows)}
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     result = {"date": date, "quick": args.quick, "threads": cfg["threads"], "decode_tokens": cfg["decode_tokens"],
               "llamacpp_reps": cfg["llamacpp_reps"], "machine": machine_info(), "git_commit": git_commit(),

@@ -236,20 +236,125 @@ def test_cpu_isa_reads_the_flags_that_pick_kernels():
     assert speed.cpu_isa("processor : 0\n") == []
 
 
-def test_llamacpp_is_built_without_amx_on_a_cpu_with_amx(tmp_path):
-    """ggml's AMX matmul segfaults in the pinned llama.cpp: a CPU with AMX gets a build without it, in its
-    own folder and marker (a cached plain build is not taken for it), and the results say so."""
+AMX_CPUINFO = "processor : 0\nflags\t\t: fpu avx2 avx512f avx512_vnni amx_tile amx_int8 amx_bf16\n"
+
+
+def test_a_cpu_with_amx_gets_a_native_and_a_no_amx_build(tmp_path):
+    """The native build always; on a CPU with AMX also one without it (the native one's AMX matmul segfaults in
+    prompt processing there), in its own folder and marker: a cached build of one kind is not taken for the
+    other. The tools that need one build that runs everything get the one without AMX there."""
     from benchmarks import llamacpp
 
-    amx = "processor : 0\nflags\t\t: fpu avx2 avx512f avx512_vnni amx_tile amx_int8 amx_bf16\n"
-    assert llamacpp.cpu_has_amx(amx) and not llamacpp.cpu_has_amx(amx.replace("amx_tile amx_int8 amx_bf16", ""))
-    suffix, flags, note = llamacpp.build_variant(amx=True)
-    assert suffix == "-noamx" and "AMX" in note
-    assert all("-mno-amx-int8" in f for f in flags) and {f.split("=")[0] for f in flags} == {
-        "-DCMAKE_C_FLAGS", "-DCMAKE_CXX_FLAGS"}
-    assert llamacpp.build_variant(amx=False) == ("", (), "")
-    res_note = {"version": "0.3.36", "build_commit": None, "note": note}
-    assert note in speed.markdown({**_made_up_result(), "llamacpp": res_note})
+    plain = AMX_CPUINFO.replace("amx_tile amx_int8 amx_bf16", "")
+    assert llamacpp.cpu_has_amx(AMX_CPUINFO) and not llamacpp.cpu_has_amx(plain)
+    assert llamacpp.variants(llamacpp.cpu_has_amx(AMX_CPUINFO)) == [llamacpp.NATIVE, llamacpp.NOAMX]
+    assert llamacpp.variants(llamacpp.cpu_has_amx(plain)) == [llamacpp.NATIVE]
+    assert llamacpp.safe_variant(amx=True) == llamacpp.NOAMX and llamacpp.safe_variant(amx=False) == llamacpp.NATIVE
+    assert llamacpp.NATIVE.flags == () and all("-mno-amx-int8" in f for f in llamacpp.NOAMX.flags)
+    assert {f.split("=")[0] for f in llamacpp.NOAMX.flags} == {"-DCMAKE_C_FLAGS", "-DCMAKE_CXX_FLAGS"}
+    home = tmp_path / llamacpp.VERSION
+    for folder in ("build", "build-noamx"):
+        (home / folder / "bin").mkdir(parents=True)
+        for t in llamacpp.TOOLS:
+            (home / folder / "bin" / t).write_text("")
+    (home / "BUILT").write_text("")       # only the native build finished
+    native = llamacpp.find_built(cache=tmp_path, variant=llamacpp.NATIVE)
+    assert native.bin == home / "build" / "bin" and native.build == "native"
+    assert llamacpp.find_built(cache=tmp_path, variant=llamacpp.NOAMX) is None
+
+
+def _bench_json(tests: dict[str, list[float]]) -> str:
+    """llama-bench -o json for made-up tests: {'pp128': samples, 'tg32': samples}."""
+    return json.dumps([{"n_prompt": int(k[2:]) if k.startswith("pp") else 0,
+                        "n_gen": int(k[2:]) if k.startswith("tg") else 0, "avg_ts": 0.0, "samples_ts": v,
+                        "build_commit": "abc", "build_number": 1, "model_type": "llama"} for k, v in tests.items()])
+
+
+def test_a_build_that_crashes_in_prompt_processing_keeps_its_decode_figures(monkeypatch, tmp_path):
+    """measure_gguf runs prefill, decode (after the prompt's tokens) and empty-context decode in their own
+    processes: a segfault in one is recorded under `crashed` with its signal, the others' figures stay."""
+    from benchmarks import llamacpp
+
+    lc = llamacpp.LlamaCpp("0.3.36", tmp_path, tmp_path / "bin", "native")
+
+    def fake_run(cmd, env=None, cwd=None):
+        if cmd[cmd.index("-n") + 1] == "0":
+            return {"rc": -11, "stdout": "", "stderr": "ggml_backend_amx_mul_mat\nSegmentation fault\n",
+                    "seconds": 1.0, "max_rss_bytes": 1}
+        deep = "-d" in cmd
+        return {"rc": 0, "stdout": _bench_json({"tg32": [200.0, 220.0] if deep else [230.0]}), "stderr": "",
+                "seconds": 1.0, "max_rss_bytes": 7 if deep else 5}
+
+    monkeypatch.setattr(speed, "run_measured", fake_run)
+    m = speed.measure_gguf(lc, tmp_path / "q.gguf", [128, 512], 32, 2, 2)
+    assert m["build"] == "native" and list(m["crashed"]) == ["prefill"]
+    assert m["crashed"]["prefill"].startswith("SIGSEGV: Segmentation fault")
+    assert "prefill_tok_s" not in m and m["decode_tok_s"]["median"] == 210.0
+    assert m["decode_tok_s_empty_context"]["median"] == 230.0 and m["decode_rss_bytes"] == 5
+
+
+def _measured(build: str, pp: float | None, decode: float | None, crashed=()) -> dict:
+    m = {"build": build, "crashed": {run: "SIGSEGV: Segmentation fault" for run in crashed}, "build_commit": "abc"}
+    if pp is not None:
+        m.update(prefill_tok_s={"128": speed.spread([pp])}, peak_rss_bytes=int(pp))
+    if decode is not None:
+        m.update(decode_tok_s=speed.spread([decode]), decode_tok_s_empty_context=speed.spread([decode + 10]),
+                 decode_rss_bytes=int(decode))
+    return m
+
+
+def test_each_figure_comes_from_the_fastest_build_that_ran_it():
+    """The Intel case: the native build decodes ~2x faster but crashes in prompt processing; prefill comes from
+    the build without AMX, decode from the native one, and the row says which build gave what."""
+    row = speed.fastest_builds([_measured("native", None, 230.0, crashed=["prefill"]),
+                                _measured("no-amx", 900.0, 105.0)], [128])
+    assert row["build_used"] == {"prefill-128": "no-amx", "decode": "native", "decode_empty_context": "native"}
+    assert row["prefill_tok_s"]["128"]["median"] == 900.0 and row["decode_tok_s"]["median"] == 230.0
+    assert row["decode_tok_s_empty_context"]["median"] == 240.0
+    assert row["peak_rss_bytes"] == 900 and row["decode_rss_bytes"] == 230   # with the runs that gave them
+    assert row["ttft_s"]["median"] == 128 / 900.0 and row["build_commit"] == "abc"
+    assert set(row["builds"]) == {"native", "no-amx"} and row["builds"]["native"]["crashed"]
+    note = speed.builds_note(row)
+    assert "prefill-128: no-amx (vs native crashed (SIGSEGV))" in note and "decode: native (vs no-amx 105.00)" in note
+    # both ran: the faster one, whichever it is; one build alone: no note (the Versions line names it)
+    both = speed.fastest_builds([_measured("native", 1000.0, 230.0), _measured("no-amx", 900.0, 105.0)], [128])
+    assert set(both["build_used"].values()) == {"native"}
+    one = speed.fastest_builds([_measured("native", 1000.0, 230.0)], [128])
+    assert one["build_used"]["decode"] == "native" and speed.builds_note(one) == ""
+
+
+def test_a_row_that_crashed_with_every_build_says_so(monkeypatch, tmp_path):
+    """_measure_theirs measures with every build, keeps the fastest figures and their builds in the row; a row
+    that no build ran is a failed row, not the end of the benchmark."""
+    monkeypatch.setattr(speed, "gguf_decode_bytes", lambda p: {"bytes_per_token": 1, "kv_bytes_per_position": None})
+    monkeypatch.setattr(speed, "_gguf_types", lambda p: "types: Q4_0×1")
+    lcs = [type("LC", (), {"build": b})() for b in ("native", "no-amx")]
+    model, cfg = {"prefill": [128]}, {"decode_tokens": 32, "threads": 2, "llamacpp_reps": 1}
+    fake = {"native": _measured("native", None, 230.0, crashed=["prefill"]), "no-amx": _measured("no-amx", 900.0, 105.0)}
+    monkeypatch.setattr(speed, "measure_gguf", lambda lc, *a: fake[lc.build])
+    row = {"scheme": "Q4_0"}
+    speed._measure_theirs(row, tmp_path / "q.gguf", lcs, model, cfg, log=lambda s: None)
+    assert row["build_used"]["decode"] == "native" and row["note"].startswith("types: Q4_0×1; builds — ")
+    fake = {b: _measured(b, None, None, crashed=["prefill", "decode", "decode_empty_context"]) for b in fake}
+    row = {"scheme": "Q4_0"}
+    speed._measure_theirs(row, tmp_path / "q.gguf", lcs, model, cfg, log=lambda s: None)
+    assert row["note"].startswith("failed: llama-bench crashed with every build: native: prefill SIGSEGV")
+
+
+def test_the_versions_line_names_the_builds_and_what_each_gave():
+    lcs = [type("LC", (), {"build": "native", "note": "GGML_NATIVE"})(),
+           type("LC", (), {"build": "no-amx", "note": "without AMX"})()]
+    rows = [{"build_used": {"prefill-128": "no-amx", "decode": "native", "decode_empty_context": "native"}}, {}]
+    builds = speed.builds_used(lcs, rows)
+    assert builds == [{"name": "native", "note": "GGML_NATIVE", "figures": 2},
+                      {"name": "no-amx", "note": "without AMX", "figures": 1}]
+    md = speed.markdown({**_made_up_result(), "llamacpp": {"version": "0.3.36", "build_commit": "abc",
+                                                           "builds": builds}})
+    assert ("builds: native (GGML_NATIVE) gave 2 figures, no-amx (without AMX) gave 1 figure; each figure is from "
+            "the fastest build that ran it") in md
+    old = speed.markdown({**_made_up_result(), "llamacpp": {"version": "0.3.36", "build_commit": None,
+                                                            "note": "built without AMX"}})
+    assert "(llama-bench build commit: None; built without AMX)" in old     # results of before: as they were
 
 
 def test_a_model_that_fits_in_the_last_level_cache_is_flagged(tmp_path):
@@ -354,7 +459,7 @@ def test_each_measured_row_gets_the_better_of_its_neighbouring_probes(monkeypatc
     monkeypatch.setattr(speed, "_measure_ours", lambda row, *a, **k: measured.append(row["scheme"]))
     monkeypatch.setattr(speed, "_measure_theirs", lambda row, *a, **k: measured.append(row["scheme"]))
     probes = iter([30.0, 50.0, None, 20.0])
-    rows = speed.bench_model(model, cfg, lc=object(), log=lambda s: None, near_probe=lambda: next(probes))
+    rows = speed.bench_model(model, cfg, lcs=[object()], log=lambda s: None, near_probe=lambda: next(probes))
     assert measured == ["q4f16", "Q4_0", "q8f16"]
     near = {r["scheme"]: r.get("bandwidth_near_gbs") for r in rows}
     assert near == {"q4f16": 50.0, "Q4_0": 50.0, "q8f16": 20.0}
