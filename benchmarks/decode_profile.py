@@ -113,7 +113,7 @@ def analyse(by_symbol: list[tuple[float, str, str]], symbols: tuple[list[int], l
     calls = {k["name"]: k["decode_step"]["calls"] for k in coverage["kernels"] if k["decode_step"]["calls"]}
     per_call = {k["name"]: k["decode_step"].get("bytes_per_call") for k in coverage["kernels"]}
     for name, region in (coverage.get("cpu_regions") or {}).get("regions", {}).items():
-        # a merged region (pipeline/cpu_regions.py) reads its kernels' bytes; the child decodes greedily
+        # a merged region (pipeline/kernels/cpu/regions.py) reads its kernels' bytes; the child decodes greedily
         n = region["calls"].get("decode_greedy", 0)
         members = [per_call.get(k) for k in region["kernels"]]
         calls[name] = n

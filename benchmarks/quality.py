@@ -9,7 +9,7 @@ benchmarks/quality.yaml this measures, over the same held-out tokens and the sam
 * bits per weight including scales (definition below).
 
 Our side: a host-cpu bundle per scheme built by `pipeline.stages.run_pipeline` and run by
-`pipeline/engine.py` (all logits of each window), scored here. llama.cpp's side: its own `llama-quantize`
+`pipeline/runtime/engine.py` (all logits of each window), scored here. llama.cpp's side: its own `llama-quantize`
 and `llama-perplexity` (with --kl-divergence-base / --kl-divergence), built from the llama-cpp-python
 sdist by benchmarks/llamacpp.py.
 

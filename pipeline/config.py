@@ -70,9 +70,9 @@ class TargetSpec:
     requires_codegen: str | None = None
     capabilities: dict[str, Any] = field(default_factory=dict)
     phone: dict[str, Any] = field(default_factory=dict)
-    npu: dict[str, Any] = field(default_factory=dict)   # second library for an NPU (see pipeline/hexagon.py)
-    force_cpu: tuple[str, ...] = ()   # op classes pinned to the CPU (see pipeline/force_cpu.py)
-    verify_kernels: str | None = None   # "pocl": run the build's kernels on PoCL (see pipeline/execution.py)
+    npu: dict[str, Any] = field(default_factory=dict)   # second library for an NPU (see pipeline/kernels/npu/hexagon.py)
+    force_cpu: tuple[str, ...] = ()   # op classes pinned to the CPU (see pipeline/compiler/force_cpu.py)
+    verify_kernels: str | None = None   # "pocl": run the build's kernels on PoCL (see pipeline/verify/execution.py)
     path: Path | None = None
 
     def tvm(self):
@@ -163,7 +163,7 @@ class QuantSpec:
     # Walsh-Hadamard rotation of linear-layer inputs (all but lm_head), folded into the weights at
     # conversion: the largest power-of-two block <= this dividing K; 0 = none
     rotation: int = 0
-    # calibrated quantization (pipeline/calibrate.py + gptq.py) of q4 / q8 tensors: {text, tokens, window}
+    # calibrated quantization (pipeline/quant/calibrate.py + gptq.py) of q4 / q8 tensors: {text, tokens, window}
     # or none (round-to-nearest)
     calibration: Any = None
     # KV-cache precision: auto (fp16, like llama.cpp's default cache, on every target; fp32 for the fp32

@@ -1,4 +1,4 @@
-"""QUANT=auto: per-role formats chosen to fit a phone's budget (pipeline/auto_quant.py).
+"""QUANT=auto: per-role formats chosen to fit a phone's budget (pipeline/quant/auto_plan.py).
 
 qwen27b (real config) at 8K context: fits a 24 GB Android phone with some roles upgraded to q8; fits a 16 GB
 Android phone only with a role ternarised (q4 everywhere is 15.9 GB), with a warning; fits a 12 GB iPhone

@@ -59,7 +59,7 @@ def test_shares_are_of_the_main_threads_wall_and_bytes_become_gb_s():
 
 
 def test_a_merged_region_gets_its_kernels_bytes():
-    """A region kernel (pipeline/cpu_regions.py) reads the bytes of the kernels merged into it, per call of
+    """A region kernel (pipeline/kernels/cpu/regions.py) reads the bytes of the kernels merged into it, per call of
     the greedy step the child times."""
     coverage = {**COVERAGE, "kernels": [*COVERAGE["kernels"],
                                         {"name": "rms", "decode_step": {"calls": 0, "bytes": 0, "bytes_per_call": 1000}},

@@ -1,4 +1,4 @@
-"""The greedy step's argmax kernel (pipeline/cpu_argmax.py) against numpy's argmax: the first of equal maxima."""
+"""The greedy step's argmax kernel (pipeline/kernels/cpu/argmax.py) against numpy's argmax: the first of equal maxima."""
 
 from __future__ import annotations
 

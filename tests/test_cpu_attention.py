@@ -1,4 +1,4 @@
-"""The parallel CPU attention kernels (pipeline/cpu_attention.py) vs a numpy reference, and vs TVM's own
+"""The parallel CPU attention kernels (pipeline/kernels/cpu/attention.py) vs a numpy reference, and vs TVM's own
 serial kernels where those are right; builds for LLVM targets use them.
 
 Reference: softmax attention in float64 with TVM's conventions (base-2 log-sum-exp: lse = log2 sum 2^s with

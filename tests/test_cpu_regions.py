@@ -1,4 +1,4 @@
-"""Merged CPU regions (pipeline/cpu_regions.py): a decode step's runs of kernels as one parallel launch each.
+"""Merged CPU regions (pipeline/kernels/cpu/regions.py): a decode step's runs of kernels as one parallel launch each.
 
 The merge only moves the kernels' own statements into one launch (serial parts on task 0, a barrier after
 each part), so the reference is the same library built without it: logits bit-identical (tolerance 0),

@@ -1,4 +1,4 @@
-"""The table CPU RoPE kernel (pipeline/cpu_rope.py) vs TVM's own `llama_rope_with_position_map`, compiled
+"""The table CPU RoPE kernel (pipeline/kernels/cpu/rope.py) vs TVM's own `llama_rope_with_position_map`, compiled
 for this CPU and run on the same inputs, and the fuse stage's swap.
 
 Tolerance: 2e-6 absolute on N(0, 1) inputs in float32 (same cos / sin, a different multiply-add order),

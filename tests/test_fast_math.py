@@ -1,4 +1,4 @@
-"""The vectorizable float32 exp / sigmoid (pipeline/fast_math.py) vs numpy in float64.
+"""The vectorizable float32 exp / sigmoid (pipeline/kernels/cpu/fast_math.py) vs numpy in float64.
 
 Tolerances: exp relative error <= 2e-7 (~3 float32 ulps) over its normal range, denormals within 2 of the
 smallest denormal, IEEE +inf / 0 beyond; sigmoid absolute error <= 2e-7.

@@ -1,4 +1,4 @@
-"""The huge-page weight arena (pipeline/host_memory.py): exact copies, TVM's alignment, chunks kept alive by
+"""The huge-page weight arena (pipeline/runtime/host_memory.py): exact copies, TVM's alignment, chunks kept alive by
 their tensors, and (Linux with THP built in) mappings the kernel marks as advised for huge pages."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_qwen27b_q4_weights_and_phone(qwen27b):
     # ~4.5 bpw over 26.9B params; only norms / conv1d / decay stay fp16. We get 15.13 GB.
     assert 14.8e9 < total < 15.4e9
     read = plan["weights_read_per_token"]["bytes"]
-    assert read == pytest.approx(14.4e9, rel=0.02)  # FACTS: ~14.4 GB/token at 4.5 bpw
+    assert read == pytest.approx(14.4e9, rel=0.02)  # ~14.4 GB read per token at 4.5 bpw
     assert plan["weights_only_roofline_tok_s"] == pytest.approx(5.3, rel=0.02)
     rows = {r["context"]: r for r in plan["contexts"]}
     assert set(rows) == {4096, 8192, 32768}

@@ -210,7 +210,7 @@ def test_default_model_q4f16(build_bundle, smollm2_reference):
     compiled: same top-1 69% over the 384 positions (per prompt 64–73%), mean KL 0.29 with calibrated
     quantization (the default: calibrate.py + gptq.py); round-to-nearest with the scale search gives 69.5% /
     0.40 and MLC's fixed max|w|/7 scales 66% / 0.51. One prompt alone swings by ±8 points, hence 6.
-    Issue #2's 90% same-top-1 is not reached: llama.cpp's Q4_0 scores 76–78% on this model (FACTS §6), and
+    Issue #2's 90% same-top-1 is not reached: llama.cpp's Q4_0 scores 76–78% on this model, and
     it keeps the tied embedding at Q8_0; q4 in the 30 decoder layers alone (lm_head float) costs 75% here.
     The KL bound catches a return to uncalibrated rounding.
     """

@@ -2,7 +2,7 @@
 
 The library is built by the pipeline's own build stage (`stages.build`, as `make build TARGET=android-cpu`
 does) for a SmolLM2-shaped model (hidden 576, GQA 9/3, ffn 1536, q4f16; 2 layers and a 2048 vocabulary to
-stay fast); `lib0.o` is taken from its `.tar`, linked statically with `pipeline/native/kernel_harness.c`
+stay fast); `lib0.o` is taken from its `.tar`, linked statically with `pipeline/verify/native/kernel_harness.c`
 by the Debian cross gcc, and every kernel the KV cache does not drive is run under qemu-aarch64 on random
 inputs (decode and prefill variants, seq_len 5) and compared with the same fused PrimFunc built by LLVM
 for this x86 machine. The slow test does the same on the default model's real android-cpu bundle.

@@ -151,7 +151,7 @@ def test_hybrid_regions_with_views_are_bit_identical(random_model, build_bundle,
 def test_q0f32_matches_transformers(random_model, build_bundle, chunk):
     folder, model = random_model
     bundle = Bundle(build_bundle(folder, "host-cpu", "q0f32"))
-    # the decode compared below runs merged CPU regions (pipeline/cpu_regions.py), across the GDN layers'
+    # the decode compared below runs merged CPU regions (pipeline/kernels/cpu/regions.py), across the GDN layers'
     # multi-output splits whose tuples are read again after the region: a fraction of the kernel calls
     calls = json.loads((bundle.path / "reports" / "coverage.json").read_text())["cpu_regions"]["calls_per_step"]
     assert calls["decode"]["calls"] * 2 < calls["decode"]["kernels"]

@@ -1,4 +1,4 @@
-"""Release files, the CI workflow, and byte-reproducible release packaging (pipeline/release.py)."""
+"""Release files, the CI workflow, and byte-reproducible release packaging (pipeline/commands/release.py)."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
     """TE for W^T[k, n] from ternary codes (code = trit + 1) + one scale per 128 weights along K.
 
     t2: 16 two-bit codes per uint32 (NK [N, ceil(K/16)], KN transposed); t3: base-3, 5 codes per byte,
-    4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/ternary.py); b1: 32 sign bits per uint32 (binary,
+    4 bytes per uint32 ([N, ceil(K/20)]; see pipeline/quant/ternary.py); b1: 32 sign bits per uint32 (binary,
     code 2 bit). Pure index arithmetic on the packed buffer, so the fused kernel reads packed codes only."""
     def at(buf, kk, nn_):
         if len(buf.shape) == 3:          # t2 KN tiled (quantize.tile_kn): [N / tile, rows, tile]

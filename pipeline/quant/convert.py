@@ -12,7 +12,7 @@ bit-identical to converting the whole concatenated tensor at once. The largest t
 output array plus one block and its temporaries.
 
 Ternary parameters (attrs `format` t2 / t3, see `models.layers.LayerFactory`) are ternarised per group of
-128 (`pipeline/ternary.py`); with `ternary_source: native` every group must already be ternary (within one
+128 (`pipeline/quant/ternary.py`); with `ternary_source: native` every group must already be ternary (within one
 ulp of the checkpoint's dtype) or the conversion stops with the tensor's name. Parameters marked `rotate`
 get their rows multiplied by the block Walsh-Hadamard matrix before quantization (row-wise, so still
 block by block).

@@ -27,7 +27,7 @@ Weights
     ``A_log`` / ``dt_bias``, which stay fp32. ``q8f16``: int8 codes + an fp16 scale per 32.
     Ternary ``t2f16`` / ``t3f16`` store every 2-D matrix (any K) as ternary codes with one fp16 scale
     per 128 along K: t2 packs 16 two-bit codes per uint32 (``ceil(K/16) x 4 B`` per row), t3 five
-    base-3 codes per byte, four bytes per uint32 (``ceil(K/20) x 4 B`` per row; ``pipeline/ternary.py``);
+    base-3 codes per byte, four bytes per uint32 (``ceil(K/20) x 4 B`` per row; ``pipeline/quant/ternary.py``);
     plus ``ceil(K/128) x 2 B`` of scales per row — 2.125 bits per weight (t2, 128 | K), 1.725 (t3, 20 and
     128 | K).
 Weights read per decoded token

@@ -5,7 +5,7 @@
  * supplies that and the few other runtime symbols the kernels reference (workspace allocation, error
  * reporting, parallel launch), keeps the registered (name, function) table, and calls a kernel through its packed-call ABI
  * (TVMFFISafeCallType) with DLTensor arguments read from files. Built statically for aarch64 and run under
- * qemu-aarch64 by pipeline/qemu_aarch64.py.
+ * qemu-aarch64 by pipeline/verify/qemu_aarch64.py.
  *
  *   kernel_harness list                  print the registered symbol names
  *   kernel_harness call NAME ARGFILE     call NAME; ARGFILE has one argument per line:
@@ -58,7 +58,7 @@ int TVMBackendFreeWorkspace(int device_type, int device_id, void* ptr) {
   return 0;
 }
 
-/* Parallel loops (e.g. pipeline/cpu_attention.py's kernels) call back through TVM's thread-pool ABI. The
+/* Parallel loops (e.g. pipeline/kernels/cpu/attention.py's kernels) call back through TVM's thread-pool ABI. The
  * harness runs the tasks one after another on this thread: with HARNESS_TASKS tasks (not one) so the
  * kernels' work split across tasks is exercised as it is on the phone. */
 typedef struct {
