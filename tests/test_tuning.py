@@ -38,7 +38,7 @@ def rpc_farm():
     servers = [Server("127.0.0.1", port=9300, port_end=9400, key=KEY, tracker_addr=("127.0.0.1", tracker.port),
                       silent=True) for _ in range(2)]
     time.sleep(1)
-    yield tuning.RPCSpec("127.0.0.1", tracker.port, KEY)
+    yield tune_command.RPCSpec("127.0.0.1", tracker.port, KEY)
     for s in servers:
         s.terminate()
     tracker.terminate()
@@ -49,7 +49,7 @@ def test_tune_one_kernel_through_rpc_and_apply_it(rpc_farm, tmp_path, monkeypatc
     monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path / "db"))
     func = _gemv()
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-    rec = tuning.tune_kernel(func, "gemv", "host-cpu", target, RULES, "cpu", trials=4, rpc=rpc_farm,
+    rec = tune_command.tune_kernel(func, "gemv", "host-cpu", target, RULES, "cpu", trials=4, rpc=rpc_farm,
                              work_dir=tmp_path / "work")
     path = tuning.write_record(rec, "host-cpu")
     assert path.parent == tmp_path / "db" / "host-cpu" / "tuning" and rec.device_key == KEY
@@ -88,7 +88,7 @@ def test_databases_merge_and_the_fastest_record_wins(tmp_path, monkeypatch):
 
 def test_user_errors_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="host:port:key"):
-        tuning.RPCSpec.parse("localhost:9190")
+        tune_command.RPCSpec.parse("localhost:9190")
     with pytest.raises(ConfigError, match="RPC=host:port:key"):
         tune_command.tune("smollm2-135m", "android-adreno")
     monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(tmp_path))
