@@ -212,7 +212,8 @@ def _pocl():
 
     if find_opencl_device() is None:
         pytest.skip("no OpenCL platform found (install pocl-opencl-icd)")
-    from pipeline.verify.opencl import opencl_kernels, run_on_pocl
+    from pipeline.verify.opencl import run_on_pocl
+    from pipeline.verify.opencl_plan import opencl_kernels
 
     return opencl_kernels, run_on_pocl
 

@@ -8,7 +8,8 @@ import pytest
 import tvm
 
 from pipeline.kernels.gpu.kernel_fixes import RACY_MERGE_STATE, race_free_merge_state, replace_racy_kernels
-from pipeline.verify.opencl import find_opencl_device, opencl_kernels, run_on_pocl
+from pipeline.verify.opencl import find_opencl_device, run_on_pocl
+from pipeline.verify.opencl_plan import opencl_kernels
 
 needs_pocl = pytest.mark.skipif(find_opencl_device() is None, reason="no OpenCL platform (install pocl-opencl-icd)")
 ADRENO = {"kind": "opencl", "device": "adreno", "host": {"kind": "llvm"}}

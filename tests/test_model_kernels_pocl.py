@@ -15,7 +15,8 @@ import tvm
 from tvm import tirx
 
 from pipeline.verify.execution import random_args
-from pipeline.verify.opencl import _param_spec, find_opencl_device, opencl_kernels, run_on_llvm, run_on_pocl
+from pipeline.verify.opencl import find_opencl_device, run_on_llvm, run_on_pocl
+from pipeline.verify.opencl_plan import opencl_kernels, param_spec
 
 pytestmark = pytest.mark.skipif(find_opencl_device() is None, reason="no OpenCL platform (install pocl-opencl-icd)")
 
@@ -48,7 +49,7 @@ def fused_adreno_module():
 def _static_args(func: tirx.PrimFunc, rng) -> list[np.ndarray]:
     args = []
     for p in func.params:
-        spec = _param_spec(p)
+        spec = param_spec(p)
         shape = tuple(int(s) for s in spec.shape)
         if spec.dtype == "uint32":
             args.append(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
@@ -61,7 +62,7 @@ def _pick(mod: tvm.IRModule, must: str) -> tuple[str, tirx.PrimFunc]:
     for gv, f in mod.functions_items():
         if isinstance(f, tirx.PrimFunc) and must in gv.name_hint:
             try:
-                [int(s) for p in f.params for s in _param_spec(p).shape]
+                [int(s) for p in f.params for s in param_spec(p).shape]
             except TypeError:
                 continue          # symbolic (prefill) variant; the decode one is static
             return gv.name_hint, f

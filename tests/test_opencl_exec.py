@@ -15,14 +15,8 @@ import tvm
 from tvm import te, tirx
 
 from pipeline.errors import CompileError
-from pipeline.verify.opencl import (
-    ADRENO_TARGET,
-    find_opencl_device,
-    opencl_kernels,
-    run_on_llvm,
-    run_on_pocl,
-    schedule_for_gpu,
-)
+from pipeline.verify.opencl import find_opencl_device, run_on_llvm, run_on_pocl
+from pipeline.verify.opencl_plan import ADRENO_TARGET, opencl_kernels, schedule_for_gpu
 
 if find_opencl_device() is None:
     pytest.skip("no OpenCL platform found (install pocl-opencl-icd: `make system-deps`)",

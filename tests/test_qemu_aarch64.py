@@ -22,7 +22,8 @@ import pytest
 import tvm
 from tvm import tirx
 
-from pipeline.verify.opencl import _param_spec, run_on_llvm
+from pipeline.verify.opencl import run_on_llvm
+from pipeline.verify.opencl_plan import param_spec
 from pipeline.verify.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian packages {missing_tools()} "
@@ -58,7 +59,7 @@ def _build(tmp_path, compute_dtype: str):
 def _args(func: tirx.PrimFunc, rng, seq_len: int = 5) -> list[np.ndarray]:
     args = []
     for p in func.params:
-        spec = _param_spec(p)
+        spec = param_spec(p)
         shape = tuple(int(d) if isinstance(d, int | tirx.IntImm) else seq_len for d in spec.shape)
         if spec.dtype == "uint32":
             args.append(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))

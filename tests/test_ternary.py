@@ -335,11 +335,11 @@ def _adreno_fused(fmt: str, rotation: int):
 def _kernel_args(func, rng, sizes: dict[str, int], fmt: str) -> list[np.ndarray]:
     from tvm import tirx
 
-    from pipeline.verify.opencl import _param_spec
+    from pipeline.verify.opencl_plan import param_spec
 
     args = []
     for p in func.params:
-        spec = _param_spec(p)
+        spec = param_spec(p)
         shape = tuple(int(d) if isinstance(d, (int, tirx.IntImm)) else sizes[str(d)] for d in spec.shape)
         if spec.dtype == "uint32" and fmt == "t2":    # every 2-bit code 0..2 (3 is never written)
             codes = rng.integers(0, 3, (*shape, 16)).astype(np.uint64)
@@ -363,13 +363,8 @@ def test_adreno_ternary_kernels_on_pocl(fmt, rotation):
     from tvm import tirx
 
     from pipeline.compiler.schedule import schedule_module
-    from pipeline.verify.opencl import (
-        _param_spec,
-        find_opencl_device,
-        opencl_kernels,
-        run_on_llvm,
-        run_on_pocl,
-    )
+    from pipeline.verify.opencl import find_opencl_device, run_on_llvm, run_on_pocl
+    from pipeline.verify.opencl_plan import opencl_kernels, param_spec
 
     if find_opencl_device() is None:
         pytest.skip("no OpenCL platform (install pocl-opencl-icd)")
@@ -385,7 +380,7 @@ def test_adreno_ternary_kernels_on_pocl(fmt, rotation):
             text = scheduled[name].script()
             assert records[0].rule == "gemv", (name, records)
             assert f'sblock("dequantize_{fmt}' not in text, f"{name}: the dequantized weight is materialised"
-            assert tern.code_dtype(fmt) in {str(_param_spec(p).dtype) for p in func.params}
+            assert tern.code_dtype(fmt) in {str(param_spec(p).dtype) for p in func.params}
             gemv.append(name)
         args = _kernel_args(func, np.random.default_rng(0), {"seq_len": 5}, fmt)
         expected = run_on_llvm(func, [a.copy() for a in args])[-1]

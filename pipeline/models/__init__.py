@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.frontend.hf_config import text_config
 from pipeline.models.llama import DecoderConfig, DecoderLM
-from pipeline.models.qwen3_5 import HybridConfig, HybridLM, is_hybrid
+from pipeline.models.qwen3_5 import HybridConfig, HybridLM
 
 
-def config_from_hf(hf: dict[str, Any], **kwargs: Any):
+def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", **kwargs: Any):
     """The family's config dataclass for a HF config.json (hybrid Qwen3.5 or the dense GQA decoder)."""
-    return (HybridConfig if is_hybrid(hf) else DecoderConfig).from_hf(hf, **kwargs)
+    family = HybridConfig if text_config(hf, source=source).hybrid else DecoderConfig
+    return family.from_hf(hf, source=source, **kwargs)
 
 
 def model_class(cfg: Any):

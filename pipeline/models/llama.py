@@ -17,6 +17,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from pipeline.errors import ConfigError
+from pipeline.frontend.hf_config import text_config
 from pipeline.kernels.cpu.argmax import argmax_kernel
 from pipeline.kernels.cpu.rope import rope_args
 from pipeline.models.layers import LayerFactory
@@ -54,51 +55,35 @@ class DecoderConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json",
                 context_window_size: int | None = None, prefill_chunk_size: int | None = None):
-        archs = hf.get("architectures") or []
-        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        t = text_config(hf, source=source)
+        family = next((ARCHITECTURES[a] for a in t.architectures if a in ARCHITECTURES), None)
         if family is None:
             family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                hf.get("model_type", ""))
+                t.model_type or "")
         if family is None:
             raise ConfigError(
-                f"architecture {archs or hf.get('model_type')} is not supported by the dense decoder",
+                f"architecture {list(t.architectures) or t.model_type} is not supported by the dense decoder",
                 path=source,
                 fix=f"use one of {sorted(ARCHITECTURES)}",
             )
-        try:
-            n_heads = int(hf["num_attention_heads"])
-            hidden = int(hf["hidden_size"])
-            head_dim = int(hf.get("head_dim") or hidden // n_heads)
-            rope_params = dict(hf.get("rope_parameters") or {})   # transformers 5 folds both in here
-            rope_scaling = dict(hf.get("rope_scaling") or rope_params)
-            rope_scaling.pop("rope_theta", None)
-            rope_theta = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-            if rope_scaling.get("type") and not rope_scaling.get("rope_type"):
-                rope_scaling["rope_type"] = rope_scaling["type"]
-            if rope_scaling.get("rope_type") in (None, "default"):
-                rope_scaling = {}
-            max_pos = int(hf.get("max_position_embeddings") or 4096)
-            cfg = cls(
-                family=family,
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_hidden_layers=int(hf["num_hidden_layers"]),
-                num_attention_heads=n_heads,
-                num_key_value_heads=int(hf.get("num_key_value_heads") or n_heads),
-                head_dim=head_dim,
-                vocab_size=int(hf["vocab_size"]),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
-                context_window_size=context_window_size or min(max_pos, 4096),
-                prefill_chunk_size=prefill_chunk_size or 512,
-            )
-        except KeyError as err:
-            raise ConfigError(f"missing field {err.args[0]!r}", path=source,
-                              fix="give a complete HF config.json") from None
+        cfg = cls(
+            family=family,
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=t.num_hidden_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads,
+            head_dim=t.head_dim,
+            vocab_size=t.vocab_size,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=t.rope_theta or 10000.0,
+            rope_scaling=dict(t.rope_scaling),
+            tie_word_embeddings=t.tie_word_embeddings,
+            attention_bias=t.attention_bias if t.attention_bias is not None else family == "qwen2",
+            qk_norm=family == "qwen3",
+            context_window_size=context_window_size or min(t.max_position_embeddings or 4096, 4096),
+            prefill_chunk_size=prefill_chunk_size or 512,
+        )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "

@@ -28,6 +28,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from pipeline.errors import ConfigError
+from pipeline.frontend.hf_config import LAYER_KINDS, text_config
 from pipeline.models.gdn_kernels import gdn_decode, gdn_prefill
 from pipeline.models.layers import LayerFactory
 from pipeline.models.llama import (
@@ -42,14 +43,6 @@ from pipeline.models.llama import (
     kv_cache_spec,
 )
 from pipeline.models.recurrent_state import RecurrentState
-
-ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5"}
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-LAYER_KINDS = ("linear_attention", "full_attention")
-
-
-def is_hybrid(hf: dict[str, Any]) -> bool:
-    return bool(set(hf.get("architectures") or []) & set(ARCHITECTURES)) or hf.get("model_type") in MODEL_TYPES
 
 
 @dataclass
@@ -83,53 +76,45 @@ class HybridConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json",
                 context_window_size: int | None = None, prefill_chunk_size: int | None = None):
-        text = hf.get("text_config") or hf
-        try:
-            n_layers = int(text["num_hidden_layers"])
-            types = list(text.get("layer_types") or [])
-            if not types:
-                interval = int(text.get("full_attention_interval", 4))
-                types = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(n_layers)]
-            rope = dict(text.get("rope_parameters") or {})
-            rope_type = rope.get("rope_type", "default")
-            if rope_type != "default":
-                raise ConfigError(f"rope_type {rope_type!r} is not supported for {cls.__name__}", path=source,
-                                  fix="use a config with rope_type 'default' (text positions)")
-            cfg = cls(
-                hidden_size=int(text["hidden_size"]),
-                intermediate_size=int(text["intermediate_size"]),
-                num_hidden_layers=n_layers,
-                layer_types=types,
-                num_attention_heads=int(text["num_attention_heads"]),
-                num_key_value_heads=int(text["num_key_value_heads"]),
-                head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])),
-                linear_num_key_heads=int(text["linear_num_key_heads"]),
-                linear_num_value_heads=int(text["linear_num_value_heads"]),
-                linear_key_head_dim=int(text["linear_key_head_dim"]),
-                linear_value_head_dim=int(text["linear_value_head_dim"]),
-                linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-                vocab_size=int(text["vocab_size"]),
-                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta") or text.get("rope_theta") or 10_000_000.0),
-                partial_rotary_factor=float(rope.get("partial_rotary_factor")
-                                            or text.get("partial_rotary_factor") or 1.0),
-                attention_bias=bool(text.get("attention_bias", False)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                context_window_size=context_window_size or min(int(text.get("max_position_embeddings", 4096)), 4096),
-                prefill_chunk_size=prefill_chunk_size or 512,
-            )
-        except KeyError as err:
-            raise ConfigError(f"missing field {err.args[0]!r} in the Qwen3.5 text config", path=source,
-                              fix="give the model's complete HF config.json") from None
-        bad = sorted(set(cfg.layer_types) - set(LAYER_KINDS))
-        if bad or len(cfg.layer_types) != n_layers:
-            raise ConfigError(f"layer_types must list {n_layers} entries of {LAYER_KINDS}, got {bad or len(types)}",
+        t = text_config(hf, source=source)
+        bad = sorted(set(t.layer_types) - set(LAYER_KINDS))
+        if bad:
+            raise ConfigError(f"layer_types must list {t.num_hidden_layers} entries of {LAYER_KINDS}, got {bad}",
                               path=source, fix="fix layer_types in config.json")
+        if t.rope_scaling:
+            raise ConfigError(f"rope_type {t.rope_scaling.get('rope_type')!r} is not supported for {cls.__name__}",
+                              path=source, fix="use a config with rope_type 'default' (text positions)")
+        lin = t.linear
+        if lin is None:   # text_config reads the linear-attention sizes of every config it sees as a hybrid
+            raise ConfigError(f"is not a Qwen3.5 hybrid config (model_type {t.model_type!r}, no linear_attention "
+                              "layers)", path=source, fix="give the model's complete HF config.json")
+        cfg = cls(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=t.num_hidden_layers,
+            layer_types=list(t.layer_types),
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads,
+            head_dim=t.head_dim,
+            linear_num_key_heads=lin.key_heads,
+            linear_num_value_heads=lin.value_heads,
+            linear_key_head_dim=lin.key_head_dim,
+            linear_value_head_dim=lin.value_head_dim,
+            linear_conv_kernel_dim=lin.conv_kernel,
+            vocab_size=t.vocab_size,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=t.rope_theta or 10_000_000.0,
+            partial_rotary_factor=t.partial_rotary_factor or 1.0,
+            attention_bias=bool(t.attention_bias),
+            tie_word_embeddings=t.tie_word_embeddings,
+            context_window_size=context_window_size or min(t.max_position_embeddings or 4096, 4096),
+            prefill_chunk_size=prefill_chunk_size or 512,
+        )
         if cfg.num_attention_heads % cfg.num_key_value_heads or \
                 cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             raise ConfigError("attention heads must be a multiple of KV heads (and GDN value heads of key heads)",
                               path=source, fix="fix the head counts in config.json")
-        if (text.get("mlp_only_layers") or []) or text.get("num_experts"):
+        if t.is_moe:
             raise ConfigError("MoE Qwen3.5 variants are not supported yet", path=source,
                               fix="use the dense Qwen3.5 (27B) config")
         return cfg

@@ -57,16 +57,10 @@ import numpy as np
 
 from pipeline.errors import ConfigError
 from pipeline.formats import FORMATS
+from pipeline.frontend.hf_config import text_config
 from pipeline.quant.convert import TEXT_PREFIXES
 from pipeline.quant.gptq import output_error, quantize_rows
-from pipeline.quant.memory_plan import (
-    ROLE_GROUPS,
-    _dims,
-    _tensors,
-    _text_config,
-    memory_plan,
-    modes_for_scheme,
-)
+from pipeline.quant.memory_plan import ROLE_GROUPS, memory_plan, modes_for_scheme, plan_config, tensor_shapes
 from pipeline.quant.quantize import dequantize_q4, dequantize_q8, quantize_q4, quantize_q8
 from pipeline.quant.ternary import dequantize_ternary, quantize_ternary
 
@@ -90,18 +84,18 @@ _HF_KEYS = {
 
 def role_weights(hf_config: dict) -> dict[str, float]:
     """W_r: parameters per role, k/v (and GDN q/k) rows counted once per head that reads them."""
-    cfg = _text_config(hf_config)
-    d = _dims(cfg)
+    cfg = plan_config(hf_config)
     params: dict[str, float] = {}
-    for group, shape, count in _tensors(cfg):
+    for group, shape, count in tensor_shapes(cfg):
         if len(shape) != 2:
             continue
         n = shape[0] * shape[1] * count
         if group in ("attn_k", "attn_v"):
-            n *= d.heads / d.kv_heads
+            n *= cfg.num_attention_heads / cfg.num_key_value_heads
         if group == "gdn_in_proj_qkv":
-            key_rows = 2 * int(cfg["linear_num_key_heads"]) * int(cfg["linear_key_head_dim"])
-            share = int(cfg["linear_num_value_heads"]) / int(cfg["linear_num_key_heads"])
+            lin = cfg.linear
+            key_rows = 2 * lin.key_heads * lin.key_head_dim
+            share = lin.value_heads / lin.key_heads
             n = (key_rows * share + shape[0] - key_rows) * shape[1] * count
         for role, groups in ROLE_GROUPS.items():
             if group in groups:
@@ -199,7 +193,7 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     source = "gaussian"
     how: dict[str, str] = {}
     if ckpt is not None:
-        tied = bool(_text_config(hf_config).get("tie_word_embeddings", hf_config.get("tie_word_embeddings")))
+        tied = text_config(hf_config).tie_word_embeddings
         measured, how = measured_eps(ckpt, roles, calibration=calibration, tied=tied)
         eps.update(measured)
         source = ("measured: relative output error on the calibration text (calibrated rounding)"

@@ -41,6 +41,7 @@ import numpy as np
 from pipeline.cache import digest, source_hash
 from pipeline.config import CalibrationSpec
 from pipeline.errors import ConfigError, WeightsError
+from pipeline.frontend.hf_config import text_config
 from pipeline.quant.convert import FUSED, checkpoint_name
 from pipeline.quant.gptq import prepare
 from pipeline.quant.quantize import dequantize_q4, quantize_q4
@@ -84,13 +85,12 @@ def _tokenize(ckpt: Any, text_file: Path) -> list[int] | None:
     return tok.encode(text_file.read_text(encoding="utf-8"), add_special_tokens=False).ids
 
 
-def _text_config(hf_config: dict[str, Any]):
-    """transformers' config of the text model (the text part of a multimodal Qwen3.5 config)."""
+def _transformers_config(hf_config: dict[str, Any]):
+    """transformers' config of the text model (the text part of a multimodal Qwen3.5 config), from the
+    fields `frontend.hf_config` picks out (tying the lm_head as the checkpoint does)."""
     from transformers import AutoConfig
 
-    cfg = dict(hf_config.get("text_config") or hf_config)
-    if hf_config.get("text_config") and "tie_word_embeddings" in hf_config:
-        cfg.setdefault("tie_word_embeddings", hf_config["tie_word_embeddings"])
+    cfg = dict(text_config(hf_config).text)
     cfg.pop("architectures", None)
     model_type = cfg.pop("model_type", None)
     try:
@@ -286,7 +286,7 @@ class Calibration:
         import torch
         from transformers import AutoModelForCausalLM
 
-        config = _text_config(self.hf_config)
+        config = _transformers_config(self.hf_config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         base = model.model
@@ -341,8 +341,8 @@ class Calibration:
             return
         import torch
 
-        cfg = self.hf_config.get("text_config") or self.hf_config
-        ids, self.description = token_windows(self.ckpt, self.spec, int(cfg["vocab_size"]))
+        vocab = text_config(self.hf_config).vocab_size
+        ids, self.description = token_windows(self.ckpt, self.spec, vocab)
         self._ids = ids
         self.tokens = int(ids.size)
         model = self._skeleton()

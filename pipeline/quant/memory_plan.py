@@ -1,6 +1,7 @@
 """Static memory and bandwidth plan for running an LLM on a phone.
 
-Pure arithmetic over a Hugging Face ``config.json``; nothing is loaded or compiled. The plan answers
+Pure arithmetic over a Hugging Face ``config.json`` (read by `pipeline.frontend.hf_config`, like the
+model definitions, so the plan counts the model that is built); nothing is loaded or compiled. The plan answers
 three questions before a long build is started: how many bytes of weights the bundle carries, how
 much RAM a session needs at a given context length, and roughly how fast decode can be on a phone
 whose memory bandwidth is known.
@@ -68,9 +69,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from pipeline.formats import GROUP, SIGN_GROUP, row_bytes
+from pipeline.frontend.hf_config import LAYER_KINDS, TextConfig, text_config
 from pipeline.quant import ternary
 
 __all__ = ["memory_plan", "plan_markdown", "QUANT_MODES", "DTYPE_BYTES"]
@@ -87,26 +88,21 @@ ROLE_GROUPS = {
 }
 SUSTAINED_BANDWIDTH_SHARE = 0.6
 GDN_CHUNK = 64
-_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
 _QK_NORM_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
 
 
-def _text_config(hf_config: dict) -> dict:
-    """The text-model part of a config (the nested ``text_config`` of multimodal checkpoints)."""
-    cfg = dict(hf_config)
-    text = cfg.get("text_config")
-    if isinstance(text, dict):
-        merged = dict(text)
-        merged.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-        if merged.get("model_type") is None:
-            merged["model_type"] = cfg.get("model_type")
-        cfg = merged
-    return cfg
+def plan_config(hf_config: dict) -> TextConfig:
+    """The text model's facts (`frontend.hf_config`), refused (ValueError) where the plan cannot count them."""
+    t = text_config(hf_config)
+    unknown = sorted(set(t.layer_types) - set(LAYER_KINDS))
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown}")
+    return t
 
 
-def _output_gate(cfg: dict) -> bool:
-    """Gated attention doubles q_proj; Qwen3.5 always has it (transformers hard-codes the 2x)."""
-    return bool(cfg.get("attn_output_gate", cfg.get("model_type") in _HYBRID_TYPES))
+def q_outputs(t: TextConfig) -> int:
+    """q_proj outputs: gated attention doubles them (Qwen3.5 always has the gate)."""
+    return t.num_attention_heads * t.head_dim * (2 if t.attn_output_gate else 1)
 
 
 def _tensor_bytes(shape: tuple[int, ...], quant: str) -> tuple[int, str]:
@@ -143,10 +139,10 @@ def _largest_row_bytes(cols: int, mode: str) -> int:
     return {"q0f32": 4 * cols, "q0f16": 2 * cols, "q8f16": cols}.get(mode, cols // 2)
 
 
-def _splits(cfg: dict, quant: str, group_modes: dict[str, str] | None, limit: int | None) -> list[dict]:
+def _splits(t: TextConfig, quant: str, group_modes: dict[str, str] | None, limit: int | None) -> list[dict]:
     """Vocab tables over the largest single allocation and the parts they are stored in."""
     out = []
-    for group, shape, _ in _tensors(cfg):
+    for group, shape, _ in tensor_shapes(t):
         if group not in ("embedding", "lm_head"):
             continue
         mode = (group_modes or {}).get(group, quant)
@@ -159,69 +155,6 @@ def _splits(cfg: dict, quant: str, group_modes: dict[str, str] | None, limit: in
     return out
 
 
-def _layer_types(cfg: dict) -> list[str]:
-    n_layers = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types")
-    if types is None:
-        if cfg.get("model_type") in _HYBRID_TYPES:
-            interval = int(cfg.get("full_attention_interval", 4))
-            types = [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-            ]
-        else:
-            types = ["full_attention"] * n_layers
-    types = list(types)
-    if len(types) != n_layers:
-        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers is {n_layers}")
-    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
-    if unknown:
-        raise ValueError(f"unsupported layer types {unknown}")
-    return types
-
-
-class _GDN(NamedTuple):
-    kh: int
-    vh: int
-    kd: int
-    vd: int
-    kernel: int
-    conv_dim: int      # channels of the causal conv: q, k (key heads x key dim) and v
-
-
-class _Dims(NamedTuple):
-    """The config fields both the weight count and the plan read, parsed once."""
-
-    hidden: int
-    inter: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    types: list[str]
-    n_full: int
-    n_lin: int
-    q_out: int         # q_proj outputs (doubled by the attention output gate)
-    gdn: _GDN | None
-
-
-def _dims(cfg: dict) -> _Dims:
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    types = _layer_types(cfg)
-    n_lin = types.count("linear_attention")
-    gdn = None
-    if n_lin:
-        kh, vh = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
-        kd, vd = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-        gdn = _GDN(kh, vh, kd, vd, int(cfg["linear_conv_kernel_dim"]), 2 * kh * kd + vh * vd)
-    return _Dims(hidden=hidden, inter=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]), heads=heads,
-                 kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
-                 tied=bool(cfg.get("tie_word_embeddings", False)), types=types,
-                 n_full=types.count("full_attention"), n_lin=n_lin,
-                 q_out=heads * head_dim * (2 if _output_gate(cfg) else 1), gdn=gdn)
-
-
 def modes_for_scheme(weight_format: str, weight_dtype: str, formats: dict[str, str]) -> tuple[str, dict[str, str]]:
     """(default mode, {plan group: mode}) of a quantization scheme with per-role formats."""
     def mode(fmt: str) -> str:
@@ -232,20 +165,21 @@ def modes_for_scheme(weight_format: str, weight_dtype: str, formats: dict[str, s
     return mode(weight_format), groups
 
 
-def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
+def tensor_shapes(c: TextConfig) -> list[tuple[str, tuple[int, ...], int]]:
     """(group, shape, count) for every weight tensor of the text model."""
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+    if c.is_moe:
         raise ValueError("mixture-of-experts configs are not supported by memory_plan")
-    mt = cfg.get("model_type") or ""
-    d = _dims(cfg)
-    hidden, inter, vocab, heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.head_dim
-    n_full, n_lin, n_layers, q_out = d.n_full, d.n_lin, len(d.types), d.q_out
-    kv_out = d.kv_heads * head_dim
-    attn_bias = bool(cfg.get("attention_bias", False))
+    mt = c.model_type or ""
+    hidden, inter, vocab, heads, head_dim = c.hidden_size, c.intermediate_size, c.vocab_size, \
+        c.num_attention_heads, c.head_dim
+    n_full, n_lin, n_layers, q_out = c.full_attention_layers, c.linear_attention_layers, len(c.layer_types), \
+        q_outputs(c)
+    kv_out = c.num_key_value_heads * head_dim
+    attn_bias = bool(c.attention_bias)
     qkv_bias = attn_bias or mt == "qwen2"
 
     t: list[tuple[str, tuple[int, ...], int]] = [("embedding", (vocab, hidden), 1)]
-    if not d.tied:
+    if not c.tie_word_embeddings:
         t.append(("lm_head", (vocab, hidden), 1))
     t.append(("norms", (hidden,), 2 * n_layers + 1))  # input / post-attention per layer + final
     if n_full:
@@ -265,7 +199,8 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
         if mt in _QK_NORM_TYPES:
             t.append(("attn_qk_norm", (head_dim,), 2 * n_full))
     if n_lin:
-        vh, vd, kernel, conv_dim = d.gdn.vh, d.gdn.vd, d.gdn.kernel, d.gdn.conv_dim
+        vh, vd, kernel, conv_dim = c.linear.value_heads, c.linear.value_head_dim, c.linear.conv_kernel, \
+            c.linear.conv_dim
         value_dim = vh * vd
         t += [
             ("gdn_in_proj_qkv", (conv_dim, hidden), n_lin),
@@ -282,7 +217,7 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
         ("mlp_up", (inter, hidden), n_layers),
         ("mlp_down", (hidden, inter), n_layers),
     ]
-    if cfg.get("mlp_bias"):
+    if c.mlp_bias:
         t += [("mlp_bias", (inter,), 2 * n_layers), ("mlp_bias", (hidden,), n_layers)]
     return t
 
@@ -290,10 +225,10 @@ def _tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], int]]:
 NORM_GROUPS = ("norms", "attn_qk_norm", "gdn_norm")   # stored in the compute dtype, like activations
 
 
-def _weights(cfg: dict, quant: str, group_modes: dict[str, str] | None = None,
+def _weights(t: TextConfig, quant: str, group_modes: dict[str, str] | None = None,
              compute_dtype: str = "float16") -> dict[str, dict]:
     groups: dict[str, dict] = {}
-    for group, shape, count in _tensors(cfg):
+    for group, shape, count in tensor_shapes(t):
         mode = (group_modes or {}).get(group, quant)
         params = math.prod(shape)
         if group == "gdn_decay":   # A_log / dt_bias stay fp32 in every scheme (exp of A_log overflows fp16)
@@ -329,12 +264,13 @@ def memory_plan(
     for what, dt in (("compute_dtype", compute_dtype), ("kv_dtype", kv_dtype)):
         if dt not in DTYPE_BYTES:
             raise ValueError(f"unknown {what} {dt!r}; expected one of {sorted(DTYPE_BYTES)}")
-    cfg = _text_config(hf_config)
+    cfg = plan_config(hf_config)
     act_b = DTYPE_BYTES[compute_dtype]
     kv_b = DTYPE_BYTES[kv_dtype]
-    d = _dims(cfg)
-    hidden, inter, vocab, heads, kv_heads, head_dim = d.hidden, d.inter, d.vocab, d.heads, d.kv_heads, d.head_dim
-    tied, types, n_full, n_lin = d.tied, d.types, d.n_full, d.n_lin
+    hidden, inter, vocab, heads = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_attention_heads
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
+    tied, types, n_full, n_lin = cfg.tie_word_embeddings, cfg.layer_types, cfg.full_attention_layers, \
+        cfg.linear_attention_layers
 
     bad = sorted(set((group_modes or {}).values()) - set(QUANT_MODES))
     if bad:
@@ -354,10 +290,12 @@ def memory_plan(
     gdn_state = conv_state = 0
     widths = [2 * inter, 4 * hidden]
     if n_full:
-        widths.append(d.q_out + 2 * kv_heads * head_dim + heads * head_dim)
+        widths.append(q_outputs(cfg) + 2 * kv_heads * head_dim + heads * head_dim)
     gdn_workspace = 0
     if n_lin:
-        vh, kd, vd, kernel, conv_dim = d.gdn.vh, d.gdn.kd, d.gdn.vd, d.gdn.kernel, d.gdn.conv_dim
+        lin = cfg.linear
+        vh, kd, vd, kernel, conv_dim = lin.value_heads, lin.key_head_dim, lin.value_head_dim, lin.conv_kernel, \
+            lin.conv_dim
         gdn_state = n_lin * vh * kd * vd * 4
         conv_state = n_lin * conv_dim * (kernel - 1) * act_b
         widths.append(2 * conv_dim + vh * vd + 2 * vh)
@@ -390,7 +328,7 @@ def memory_plan(
         per_context.append(row)
 
     return {
-        "model_type": cfg.get("model_type"),
+        "model_type": cfg.model_type,
         "quant": quant,
         "compute_dtype": compute_dtype,
         "prefill_chunk": prefill_chunk,

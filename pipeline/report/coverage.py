@@ -126,14 +126,14 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
     in_bytes = [nbytes(b, env) for b in ins]
     if None in in_bytes:
         return None, None
-    total = sum(in_bytes) + sum(out_bytes)
+    moved = sum(in_bytes) + sum(out_bytes)   # not `nbytes`: that would shadow the function above
     if cls in MATMUL_CLASSES:
         k = eval_shape(matmul_k(ins, outs), env)
-        return total, 2 * n_out * (k or 0)
+        return moved, 2 * n_out * (k or 0)
     if cls in ("rmsnorm", "layernorm", "reduction"):
         largest = max((elems(b, env) or 0 for b in ins), default=0)
-        return total, 2 * largest + n_out
-    return total, n_out
+        return moved, 2 * largest + n_out
+    return moved, n_out
 
 
 # ------------------------------------------------------------------------------------ callers

@@ -35,7 +35,8 @@ from pipeline.config import ROOT, load_target
 from pipeline.models import model_class
 from pipeline.models.layers import LayerFactory
 from pipeline.verify import opencl as verify_opencl
-from pipeline.verify.opencl import _eval, _param_spec, opencl_kernels, run_on_llvm, run_on_pocl
+from pipeline.verify.opencl import run_on_llvm, run_on_pocl
+from pipeline.verify.opencl_plan import eval_host, opencl_kernels, param_spec
 
 # Kernels the paged KV cache drives with its own page tables / position maps: random inputs would index
 # out of bounds, so they get the consistent cache of kv_args() and a CPU reference kernel.
@@ -311,7 +312,7 @@ def random_args(func: Any, rng: np.random.Generator, sizes: dict[str, int]) -> l
     """Inputs for a kernel: random codes / normals, small in-range integers for ids and row indices."""
     args = []
     for p in func.params:
-        spec = _param_spec(p)
+        spec = param_spec(p)
         shape = tuple(int(d) if isinstance(d, (int, tirx.IntImm)) else sizes[str(d)] for d in spec.shape)
         if spec.dtype == "uint32":
             args.append(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
@@ -368,13 +369,13 @@ def kv_args(name: str, func: Any, rng: np.random.Generator, heads: dict[str, int
     sizes.update(heads or {})
     args: list[Any] = []
     for p in func.params:
-        spec = _param_spec(p)
+        spec = param_spec(p)
         if spec.kind == "scalar":   # a Python number: run_on_llvm passes arrays as tensors
             value = KV_SCALARS[spec.name]
             args.append(float(value) if spec.dtype.startswith("float") else int(value))
             continue
         try:
-            shape = tuple(int(_eval(d, {}, sizes)) for d in spec.shape)
+            shape = tuple(int(eval_host(d, {}, sizes)) for d in spec.shape)
         except KeyError:
             raise KeyError(f"{spec.name}{tuple(str(d) for d in spec.shape)}") from None
         if spec.name == "length_info":   # (B,) last page lengths, or (3, B) with sliding-window offset and sink

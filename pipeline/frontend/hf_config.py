@@ -1,0 +1,209 @@
+"""The one reader of a Hugging Face config.json: the shape facts of its text model, each field read once.
+
+The model definitions (`models.config_from_hf`), the memory plan and auto-quant plan (`quant.memory_plan`,
+`quant.auto_plan`) and calibration (`quant.calibrate`) all need the same facts: where the text model's
+fields live (top level, or the nested ``text_config`` of a multimodal wrapper such as Qwen3.5's), which
+defaults a missing field takes (``head_dim``, KV heads, the hybrid's ``layer_types``), where RoPE
+parameters are (``rope_theta`` / ``rope_scaling`` of transformers 4, ``rope_parameters`` of transformers 5).
+Each of them reading the dict its own way let the numbers of the plan drift from the model that is built;
+`text_config(hf)` decides every such question here, once, and raises one-line `ConfigError`s naming the
+missing or broken field. What a family then supports (which layer kinds, RoPE types, biases) stays with
+the family's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.errors import ConfigError
+
+__all__ = ["HYBRID_ARCHITECTURES", "HYBRID_MODEL_TYPES", "LAYER_KINDS", "LinearAttention", "TextConfig",
+           "text_config"]
+
+# The Qwen3.5 hybrid (Gated DeltaNet + gated attention): the multimodal wrapper and the text-only model.
+HYBRID_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+LAYER_KINDS = ("linear_attention", "full_attention")
+DEFAULT_FULL_ATTENTION_INTERVAL = 4   # the hybrid's layer_types when the config lists none
+DEFAULT_CONV_KERNEL = 4               # transformers' default linear_conv_kernel_dim
+FIX = "give the model's complete HF config.json"
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet (``linear_attention``) layers' sizes."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal depthwise conv: q and k (key heads x key dim) and v."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """What a HF config says about its text model. ``None`` marks a field the config leaves out where the
+    default is the family's to choose (``attention_bias``, ``rope_theta``, ``partial_rotary_factor``,
+    ``max_position_embeddings``)."""
+
+    model_type: str | None               # the text model's (text_config's), else the wrapper's
+    architectures: tuple[str, ...]       # the wrapper's (what the checkpoint was saved as)
+    hybrid: bool                         # a Qwen3.5 hybrid (by architecture or model type)
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int             # num_attention_heads when a dense config leaves it out
+    head_dim: int                        # hidden_size // num_attention_heads when left out
+    vocab_size: int
+    tie_word_embeddings: bool            # the wrapper's when it says, as transformers ties the checkpoint
+    layer_types: tuple[str, ...]         # one per layer; defaulted for the hybrid, all full_attention else
+    linear: LinearAttention | None       # hybrids (and any config with linear_attention layers)
+    attn_output_gate: bool               # q_proj doubled by the output gate (always on for the hybrid)
+    attention_bias: bool | None
+    mlp_bias: bool
+    rms_norm_eps: float
+    rope_theta: float | None
+    rope_scaling: dict[str, Any]         # {} for plain RoPE; else with "rope_type" (never "type")
+    partial_rotary_factor: float | None
+    max_position_embeddings: int | None
+    num_experts: int                     # 0 for dense MLPs
+    mlp_only_layers: tuple[int, ...]
+    nested: bool                         # the fields came from a multimodal wrapper's text_config
+    text: dict[str, Any] = field(repr=False)   # the text model's own fields (for transformers' configs)
+
+    @property
+    def full_attention_layers(self) -> int:
+        return self.layer_types.count("full_attention")
+
+    @property
+    def linear_attention_layers(self) -> int:
+        return self.layer_types.count("linear_attention")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts or self.mlp_only_layers)
+
+
+def _text_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The text model's fields (a nested ``text_config`` merged with what the wrapper decides) and whether
+    they were nested."""
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping) or not text:
+        return dict(hf), False
+    merged = dict(text)
+    if merged.get("model_type") is None:
+        merged["model_type"] = hf.get("model_type")
+    return merged, True
+
+
+def _tied(hf: Mapping[str, Any], text: Mapping[str, Any]) -> bool:
+    # transformers ties the checkpoint's lm_head by the config of the class it was saved from: the wrapper
+    return bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def _rope(text: Mapping[str, Any]) -> tuple[float | None, dict[str, Any], float | None]:
+    """(rope_theta, rope_scaling, partial_rotary_factor): transformers 5 folds all three into
+    ``rope_parameters``; transformers 4 configs keep them at the top level."""
+    params = dict(text.get("rope_parameters") or {})
+    theta = params.get("rope_theta") or text.get("rope_theta")
+    scaling = dict(text.get("rope_scaling") or params)
+    scaling.pop("rope_theta", None)
+    if scaling.get("type") and not scaling.get("rope_type"):
+        scaling["rope_type"] = scaling["type"]
+    if scaling.get("rope_type") in (None, "default"):
+        scaling = {}
+    partial = params.get("partial_rotary_factor") or text.get("partial_rotary_factor")
+    return (None if theta is None else float(theta)), scaling, (None if partial is None else float(partial))
+
+
+def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> TextConfig:
+    """Parse ``hf`` (a config.json dict, possibly a multimodal wrapper); ConfigError names what is wrong."""
+    if not isinstance(hf, Mapping):
+        raise ConfigError(f"must hold a JSON object, not a {type(hf).__name__}", path=source, fix=FIX)
+    text, nested = _text_fields(hf)
+    where = " in text_config" if nested else ""
+
+    def number(key: str, kind: type = int, default: Any = None) -> Any:
+        value = text.get(key)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"missing field {key!r}{where}", path=source, fix=FIX)
+            return default
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"field {key!r}{where} must be a number, not {value!r}", path=source,
+                              fix=FIX) from None
+
+    archs = tuple(str(a) for a in hf.get("architectures") or ())
+    model_type = text.get("model_type")
+    hybrid = bool(set(archs) & set(HYBRID_ARCHITECTURES)) or hf.get("model_type") in HYBRID_MODEL_TYPES \
+        or model_type in HYBRID_MODEL_TYPES
+
+    hidden = number("hidden_size")
+    heads = number("num_attention_heads")
+    if heads <= 0:
+        raise ConfigError(f"num_attention_heads{where} must be positive, got {heads}", path=source, fix=FIX)
+    n_layers = number("num_hidden_layers")
+    # dense families (Llama, Qwen2/3) default the KV heads to the attention heads (no GQA); the hybrid's
+    # transformers default is not, so a hybrid config must say
+    kv_heads = number("num_key_value_heads", default=None if hybrid else heads) or heads
+    head_dim = int(text.get("head_dim") or hidden // heads)
+
+    types = list(text.get("layer_types") or [])
+    if not types:
+        if hybrid:
+            interval = number("full_attention_interval", default=DEFAULT_FULL_ATTENTION_INTERVAL)
+            types = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(n_layers)]
+        else:
+            types = ["full_attention"] * n_layers
+    if len(types) != n_layers:
+        raise ConfigError(f"layer_types{where} has {len(types)} entries but num_hidden_layers is {n_layers}",
+                          path=source, fix="fix layer_types in config.json")
+
+    linear = None
+    if hybrid or "linear_attention" in types:
+        linear = LinearAttention(number("linear_num_key_heads"), number("linear_num_value_heads"),
+                                 number("linear_key_head_dim"), number("linear_value_head_dim"),
+                                 number("linear_conv_kernel_dim", default=DEFAULT_CONV_KERNEL))
+
+    theta, scaling, partial = _rope(text)
+    bias = text.get("attention_bias")
+    max_pos = text.get("max_position_embeddings")
+    tied = _tied(hf, text)
+    text["tie_word_embeddings"] = tied
+    return TextConfig(
+        model_type=model_type,
+        architectures=archs,
+        hybrid=hybrid,
+        hidden_size=hidden,
+        intermediate_size=number("intermediate_size"),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=number("vocab_size"),
+        tie_word_embeddings=tied,
+        layer_types=tuple(str(t) for t in types),
+        linear=linear,
+        attn_output_gate=bool(text.get("attn_output_gate", hybrid)),
+        attention_bias=None if bias is None else bool(bias),
+        mlp_bias=bool(text.get("mlp_bias", False)),
+        rms_norm_eps=number("rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        max_position_embeddings=None if not max_pos else int(max_pos),
+        num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
+        mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+        nested=nested,
+        text=text,
+    )
