@@ -43,7 +43,7 @@ from pipeline.config import (
 from pipeline.errors import PipelineError, WeightsError
 from pipeline.frontend.checkpoint import open_checkpoint
 from pipeline.kernels.cpu import rope as cpu_rope
-from pipeline.kernels.cpu.gemv import build_threads
+from pipeline.kernels.cpu.probe import build_threads
 from pipeline.kernels.cpu.regions import merge_regions
 from pipeline.kernels.npu.hexagon import partition
 from pipeline.models import config_from_hf, model_class
@@ -258,7 +258,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                    "tuning": database_digest(target.name),
                    "formats": dict(quant.formats), "ternary_source": quant.ternary_source,
                    **({"rotation": quant.rotation} if quant.rotation else {}),
-                   **({"cpu_threads": build_threads()} if target.host_native else {})})   # cpu_gemv.k_splits
+                   **({"cpu_threads": build_threads()} if target.host_native else {})})   # packed.k_splits
     out = cache_root() / "lib" / key
     if (out / "build.json").exists():
         report.info(f"build: cache hit ({out.name})")
