@@ -96,8 +96,7 @@ VNNI_FORMATS = ("q4", "t2", "b1")
 AVX2_BYTE_FORMATS = ("t2", "b1")
 
 
-def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot: bool = False,
-                        threads: int = 1, byte_dot: bool = False, prefetch_bytes: int = 0) -> tirx.PrimFunc | None:
+def packed_kn_gemv_like(func: tirx.PrimFunc, int16_dot: bool = False, threads: int = 1, byte_dot: bool = False, prefetch_bytes: int = 0) -> tirx.PrimFunc | None:
     """The hand-written kernel with `func`'s parameter order, or None when `func` is not such a GEMV.
     `int16_dot`: the target has AVX2's pmaddwd (q4 / t2 then take `packed_kn_gemv_int16`, q8
     `q8_kn_gemv_int16`); `byte_dot`: it
@@ -105,7 +104,7 @@ def packed_kn_gemv_like(func: tirx.PrimFunc, text: str | None = None, int16_dot:
     threads the library runs with when known (host-cpu: `build_threads`), K split that many ways (int16 and
     q8 kernels); 1 keeps column spans (a cross-compiled target: the phone's thread count is not known).
     `prefetch_bytes`: the tiled q4 / t2 int16 kernel's software prefetch distance (`native_prefetch_bytes`)."""
-    match = match_packed_kn_gemv(func, text)
+    match = match_packed_kn_gemv(func)
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
@@ -364,10 +363,10 @@ def float_nt_gemv(n: int, k: int, weight_dtype: str = "float16") -> tirx.PrimFun
     return gemv
 
 
-def float_nt_gemv_like(func: tirx.PrimFunc, text: str | None = None, min_work: int = 0) -> tirx.PrimFunc | None:
+def float_nt_gemv_like(func: tirx.PrimFunc, min_work: int = 0) -> tirx.PrimFunc | None:
     """`float_nt_gemv` with `func`'s parameter order and attributes, or None when `func` is not such a GEMV
     (`match_float_nt_gemv`)."""
-    match = match_float_nt_gemv(func, text, min_work)
+    match = match_float_nt_gemv(func, min_work)
     if match is None:
         return None
     n, k, weight_dtype, order = match

@@ -24,7 +24,7 @@ VNNI_Q_MAX = 32512.0     # 127 * 256 + 127: x's steps as two signed bytes (x86.p
 
 @dataclass(frozen=True)
 class PackedFormat:
-    block: str      # the fused TE's dequantize block
+    block: str      # the fused TE's dequantize block (its name: models/layers.py gives it, fusion keeps it)
     bits: int       # per code; 32 // bits codes per uint32, code i at bits [bits * i, bits * (i + 1)); 8: int8
     group: int      # weights per scale along K
     offset: int     # value = (step * code - offset) * scale
@@ -38,11 +38,6 @@ class PackedFormat:
     def code_dtype(self) -> str:
         return "int8" if self.bits == 8 else "uint32"
 
-    @property
-    def pattern(self) -> str:   # how the fused function's dequantize expression prints
-        if self.bits == 8:
-            return ']) * T.Cast("float32", '
-        return f'- T.float32({float(self.offset)})) * T.Cast("float32"'
 
 
 TILED_Q8 = "q8t"   # what `match_packed_kn_gemv` calls q8 codes stored tiled (quantize.tile_q8); FORMATS["q8"] otherwise

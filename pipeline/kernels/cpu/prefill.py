@@ -172,12 +172,11 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
     return matmul
 
 
-def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot: bool = False,
-                          int16_dot: bool = False) -> tirx.PrimFunc | None:
+def packed_kn_matmul_like(func: tirx.PrimFunc, byte_dot: bool = False, int16_dot: bool = False) -> tirx.PrimFunc | None:
     """The hand-written prefill kernel with `func`'s parameter order, or None when `func` is not one.
     `byte_dot`: the target has AVX-512 VNNI (q4 / t2 then take `packed_kn_matmul_vnni`); `int16_dot`: it has
     AVX2's pmaddwd (q4 / t2 then take `packed_kn_matmul_int16`)."""
-    match = match_packed_kn_gemv(func, text, rows="prompt")
+    match = match_packed_kn_gemv(func, rows="prompt")
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match

@@ -1,13 +1,19 @@
 """Which fused functions the hand-written CPU kernels stand in for: the one-token (or prompt) KN GEMV of
 packed codes and the one-token NT GEMV of float weights, with the parameters (format, N, K, dtypes, the
 role of each parameter) the kernels are built for.
+
+Recognised on the TIR itself (block names, which the TE in models/layers.py gives and FuseOps / FuseTIR
+keep; the store expressions; parameter shapes), never on its printed form: a printer change must not make
+every fast kernel silently drop out. This TVM has no Python statement visitor, so `statements` walks the
+few statement kinds a function body holds.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterator
 
-from tvm import tirx
+from tvm import ir, tirx
+from tvm.s_tir import SBlock, SBlockRealize
 
 from pipeline.kernels.cpu.packed import (
     FLOAT_NT_CHAINS,
@@ -17,26 +23,84 @@ from pipeline.kernels.cpu.packed import (
     ROLES,
     TILED_PACKED,
     TILED_Q8,
+    PackedFormat,
     q8_tile_of,
 )
 
-_NT_CAST = re.compile(r'^\s*(\w+)\[(\w+), (\w+)\] = (?:T\.Cast\("float32", )?(\w+)\[\2, \3\]\)?$', re.M)  # or a copy
-_NT_MATMUL = re.compile(r'(\w+)\[(\w+), (\w+), (\w+)\] = \1\[\2, \3, \4\] \+ (\w+)\[\2, \3, (\w+)\] \* (\w+)\[\4, \6\]')
+_LOAD = ir.expr.TensorLoad   # what tirx.BufferLoad builds in this TVM
 
 
-def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str = "one"
-                         ) -> tuple[str, int, int, str, tuple[str, ...]] | None:
+def statements(stmt: tirx.Stmt) -> Iterator[tirx.Stmt]:
+    """Every statement under `stmt`, itself first, in program order (a block before its init, its init before
+    its body)."""
+    stack = [stmt]
+    while stack:
+        s = stack.pop()
+        if s is None:
+            continue
+        yield s
+        if isinstance(s, tirx.SeqStmt):
+            children = list(s.seq)
+        elif isinstance(s, SBlockRealize):
+            children = [s.block]
+        elif isinstance(s, SBlock):
+            children = [s.init, s.body]
+        elif isinstance(s, tirx.IfThenElse):
+            children = [s.then_case, s.else_case]
+        else:   # For, While, AttrStmt, ...: one body, or none (stores, bindings, allocations)
+            children = [getattr(s, "body", None)]
+        stack.extend(reversed(children))
+
+
+def blocks(func: tirx.PrimFunc) -> list[SBlock]:
+    """`func`'s blocks in program order, the root block left out."""
+    return [s for s in statements(func.body) if isinstance(s, SBlock) and s.name_hint != "root"]
+
+
+def block_names(func: tirx.PrimFunc) -> list[str]:
+    return [b.name_hint for b in blocks(func)]
+
+
+def _dtype(expr) -> str:
+    return str(expr.ty)
+
+
+def _is_cast(expr, dtype: str) -> bool:
+    return isinstance(expr, tirx.Cast) and _dtype(expr) == dtype
+
+
+def _same_vars(indices, want) -> bool:
+    """`indices` are exactly the variables `want`, in order."""
+    return len(indices) == len(want) and all(isinstance(i, tirx.Var) and i.same_as(w) for i, w in zip(indices, want, strict=True))
+
+
+def _dequantizes(block: SBlock, spec: PackedFormat) -> bool:
+    """`block` stores the fused TE's fp32 dequantize of `spec` (models/layers.py): (code - offset) *
+    float32(scale) for packed codes, float32(code) * float32(scale) for int8 ones."""
+    store = block.body
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Mul):
+        return False
+    code, scale = store.value.a, store.value.b
+    if not _is_cast(scale, "float32"):
+        return False
+    if spec.bits == 8:
+        return _is_cast(code, "float32") and isinstance(code.value, _LOAD)
+    offset = code.b if isinstance(code, tirx.Sub) else None
+    return isinstance(offset, tirx.FloatImm) and _dtype(offset) == "float32" and float(offset.value) == float(spec.offset)
+
+
+def match_packed_kn_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, int, int, str, tuple[str, ...]] | None:
     """(format, N, K, scale dtype, the role of each parameter in order) when `func` is a fused one-token KN
     GEMV of packed codes: blocks dequantize then matmul, tensors codes uint32 [K / codes per word, N],
     scales [groups, N], x float32 [1, 1, K] and out float32 [1, 1, N] (the last parameter, as in every
     function TE / relax fusion makes). rows="prompt": the same with a symbolic row count instead of 1
-    (x [1, m, K], out [1, m, N]: a prefill). `text`: func.script(), when the caller has it. q8 codes tiled
+    (x [1, m, K], out [1, m, N]: a prefill). q8 codes tiled
     (quantize.tile_q8) are TILED_Q8; q4 / t2 codes and scales tiled (quantize.tile_kn, in two tiles or more)
     TILED_Q4 / TILED_T2."""
-    text = text if text is not None else func.script()
-    blocks = [b for b in re.findall(r'T\.sblock\("(\w+)"\)', text) if b != "root"]
-    fmt = next((f for f, spec in FORMATS.items() if blocks == [spec.block, "matmul"]), None)
-    if fmt is None or FORMATS[fmt].pattern not in text:
+    found = blocks(func)
+    names = [b.name_hint for b in found]
+    fmt = next((f for f, spec in FORMATS.items() if names == [spec.block, "matmul"]), None)
+    if fmt is None or not _dequantizes(found[0], FORMATS[fmt]):
         return None
     spec = FORMATS[fmt]
     params = list(func.params)   # tensor parameters carry shape and dtype
@@ -92,40 +156,76 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, text: str | None = None, rows: str
     return fmt, n, k, dtypes[roles.index("scales")], (*roles, "out")
 
 
-def match_float_nt_gemv(func: tirx.PrimFunc, text: str | None = None, min_work: int = 0
-                        ) -> tuple[int, int, str, tuple[str, ...]] | None:
+def _nt_update(store: tirx.BufferStore):
+    """(out, x, w) when `store` is out[a, b, c] = out[a, b, c] + x[a, b, r] * w[c, r] (the matmul block's
+    update over plain iteration variables), else None."""
+    if len(store.indices) != 3 or not all(isinstance(i, tirx.Var) for i in store.indices):
+        return None
+    value = store.value
+    if not isinstance(value, tirx.Add) or not isinstance(value.b, tirx.Mul):
+        return None
+    acc, x, w = value.a, value.b.a, value.b.b
+    if not all(isinstance(e, _LOAD) for e in (acc, x, w)) or not acc.source.same_as(store.buffer):
+        return None
+    a, b, c = store.indices
+    if not _same_vars(acc.indices, (a, b, c)) or len(x.indices) != 3 or not isinstance(x.indices[2], tirx.Var):
+        return None
+    if not _same_vars(x.indices, (a, b, x.indices[2])) or not _same_vars(w.indices, (c, x.indices[2])):
+        return None
+    return store.buffer, x.source, w.source
+
+
+def _widening(store: tirx.BufferStore):
+    """(destination, source) when `store` is dst[i, j] = float32(src[i, j]) or a plain copy, else None."""
+    if len(store.indices) != 2 or not all(isinstance(i, tirx.Var) for i in store.indices):
+        return None
+    value = store.value.value if _is_cast(store.value, "float32") else store.value
+    if not isinstance(value, _LOAD) or not _same_vars(value.indices, tuple(store.indices)):
+        return None
+    return store.buffer, value.source
+
+
+def _sssr(realize: SBlockRealize) -> bool:
+    """Three spatial iteration variables then one reduction, each bound to a loop variable as it stands."""
+    kinds = [int(iv.iter_type) for iv in realize.block.iter_vars]
+    return (kinds == [tirx.IterVar.DataPar] * 3 + [tirx.IterVar.CommReduce]
+            and all(isinstance(v, tirx.Var) for v in realize.iter_values))
+
+
+def match_float_nt_gemv(func: tirx.PrimFunc, min_work: int = 0) -> tuple[int, int, str, tuple[str, ...]] | None:
     """(N, K, weight dtype, each parameter's role) when `func` is exactly a one-token NT matmul of float
     weights, out[0, 0, n] = sum_k x[0, 0, k] * float32(w[n, k]), the widening in its own block or none
     (q0f16 / q0f32 decode as relax fuses it: x float32 [1, 1, K], w float16 / float32 [N, K], out float32
     [1, 1, N], out last) of at least `min_work` multiply-adds; None for anything else (a bias or residual
     epilogue included)."""
-    text = text if text is not None else func.script()
-    blocks = [b for b in re.findall(r'T\.sblock\("(\w+)"\)', text) if b != "root"]
-    matmul = _NT_MATMUL.findall(text)
-    if len(blocks) not in (1, 2) or len(matmul) != 1 or 'T.axis.remap("SSSR"' not in text or "T.init()" not in text:
+    body = list(statements(func.body))
+    found = [s for s in body if isinstance(s, SBlock) and s.name_hint != "root"]
+    stores = [s for s in body if isinstance(s, tirx.BufferStore)]
+    matmul = [m for m in map(_nt_update, stores) if m is not None]
+    if (len(found) not in (1, 2) or len(matmul) != 1 or not any(b.init is not None for b in found)
+            or not any(_sssr(s) for s in body if isinstance(s, SBlockRealize))):
         return None
-    out_name, *_, x_name, _, w_name = matmul[0]
+    out_buf, x_buf, w_buf = matmul[0]
     params = list(func.params)
     if len(params) != 3 or any(not all(isinstance(d, tirx.IntImm) for d in p.shape) for p in params):
         return None
-    names = [p.name for p in params]
-    if len(blocks) == 2:   # the widening block: w_name is its output, cast from a parameter
-        cast = _NT_CAST.findall(text)
-        if len(cast) != 1 or cast[0][0] != w_name:
+    if len(found) == 2:   # the widening block: w_buf is its output, cast from a parameter
+        cast = [c for c in map(_widening, stores) if c is not None]
+        if len(cast) != 1 or not cast[0][0].same_as(w_buf):
             return None
-        w_name = cast[0][3]
-    if sorted(names[:2]) != sorted([x_name, w_name]) or out_name != names[2]:
+        w_buf = cast[0][1]
+    roles = ["x" if p.same_as(x_buf) else "w" if p.same_as(w_buf) else "" for p in params[:2]]
+    if sorted(roles) != ["w", "x"] or not params[2].same_as(out_buf):
         return None
-    shapes = {p.name: tuple(int(d) for d in p.shape) for p in params}
-    dtypes = {p.name: str(p.dtype) for p in params}
-    if len(shapes[w_name]) != 2:
+    x, w, out = params[roles.index("x")], params[roles.index("w")], params[2]
+    shapes = {role: tuple(int(d) for d in p.shape) for role, p in (("x", x), ("w", w), ("out", out))}
+    if len(shapes["w"]) != 2:
         return None
-    n, k = shapes[w_name]
-    if (dtypes[x_name], dtypes[names[2]]) != ("float32", "float32") or dtypes[w_name] not in ("float16", "float32"):
+    n, k = shapes["w"]
+    if (str(x.dtype), str(out.dtype)) != ("float32", "float32") or str(w.dtype) not in ("float16", "float32"):
         return None
-    if shapes[x_name] != (1, 1, k) or shapes[names[2]] != (1, 1, n) or n * k < min_work:
+    if shapes["x"] != (1, 1, k) or shapes["out"] != (1, 1, n) or n * k < min_work:
         return None
     if n % FLOAT_NT_ROWS or k % (FLOAT_NT_CHAINS * LANES):
         return None
-    return n, k, dtypes[w_name], tuple("x" if nm == x_name else "w" for nm in names[:2]) + ("out",)
-
+    return n, k, str(w.dtype), (*roles, "out")

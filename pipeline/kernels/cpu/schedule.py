@@ -16,21 +16,22 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from pipeline.kernels.cpu.gemv import float_nt_gemv_like, packed_kn_gemv_like
 from pipeline.kernels.cpu.prefill import packed_kn_matmul_like
 from pipeline.kernels.cpu.probe import has_avx2, has_vnni, host_threads, native_prefetch_bytes
+from pipeline.kernels.cpu.recognize import block_names
 
 
 class CPUInlineParallel(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
-        text = func.script()      # printed once: both checks below read it
-        kernel = packed_kn_gemv_like(func, text, int16_dot=has_avx2(target), threads=host_threads(target),
+        names = block_names(func)
+        kernel = packed_kn_gemv_like(func, int16_dot=has_avx2(target), threads=host_threads(target),
                                      byte_dot=has_vnni(target), prefetch_bytes=native_prefetch_bytes(target))
         if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, gemv.py / x86.py
             return s_tir.Schedule(kernel)
-        kernel = packed_kn_matmul_like(func, text, byte_dot=has_vnni(target), int16_dot=has_avx2(target))
+        kernel = packed_kn_matmul_like(func, byte_dot=has_vnni(target), int16_dot=has_avx2(target))
         if kernel is not None:    # prefill q4 / t2 / q8 matmul (a prompt's rows, KN codes): prefill.py
             return s_tir.Schedule(kernel)
-        if 'sblock("dequantize' in text:
+        if any(name.startswith("dequantize") for name in names):
             try:
                 tiled = _dequant_tiles_for_rows(func)
             except Exception:  # noqa: BLE001 - not this shape: the general path below
@@ -38,7 +39,7 @@ class CPUInlineParallel(ScheduleRule):
             if tiled is not None:
                 return tiled
         else:
-            kernel = float_nt_gemv_like(func, text, SERIAL_WORK)
+            kernel = float_nt_gemv_like(func, SERIAL_WORK)
             if kernel is not None:    # decode q0f16 / q0f32 GEMV (one token, NT float weights): gemv.py
                 return s_tir.Schedule(kernel)
             try:
@@ -68,7 +69,7 @@ class CPUInlineParallel(ScheduleRule):
         # Vector lanes along the output dim: contiguous loads for KN q4 codes; for NK codes they gather,
         # which measured still 2x faster than a scalar loop (the unpacking dominates). Float NT weights
         # stay plain parallel.
-        q4_weights = 'sblock("dequantize_' in func.script()
+        q4_weights = any(name.startswith("dequantize_") for name in names)
         if q4_weights and len(reduction) == 1 and _vectorizable(sch, spatial[-1]):
             try:
                 _matmul_vectorized(sch, last, spatial, reduction[0])
