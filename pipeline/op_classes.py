@@ -96,7 +96,7 @@ def has_reduction(text: str) -> bool:
 def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
     """Op class of a kernel from its name (TVM library kernels, normalisations) and structure."""
     declared = func.attrs.get("pipeline.op_class") if func.attrs else None
-    if declared is not None:   # a hand-written kernel standing in for a fused one (cpu_gemv.py)
+    if declared is not None:   # a hand-written kernel standing in for a fused one (kernels/cpu/gemv.py)
         return str(declared)
     text = text if text is not None else func.script()
     low = name.lower()

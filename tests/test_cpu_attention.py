@@ -292,9 +292,9 @@ def test_host_builds_use_them():
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and str(f.attrs.get("mlp.kernel")) == "cpu_attention"}
     assert set(ours) == set(ca.REPLACEMENTS)
     # the decode kernel prefetches the next page on x86 only (the android-* system-lib builds cannot take it)
-    from pipeline.kernels.cpu.schedule import _has_avx2
+    from pipeline.kernels.cpu.probe import has_avx2
 
-    assert ("llvm.prefetch" in ours["batch_decode_paged_kv_cpu"].script()) == _has_avx2(target.tvm())
+    assert ("llvm.prefetch" in ours["batch_decode_paged_kv_cpu"].script()) == has_avx2(target.tvm())
     phone = load_target("android-cpu")
     decode = next(f for gv, f in fuse(define(loaded, load_quant("q0f32"), phone), phone).functions_items()
                   if gv.name_hint == "batch_decode_paged_kv_cpu")

@@ -1,6 +1,6 @@
 """CPU schedules of the dequantize-matmul (cpu_schedule.py): decode keeps the unpack in registers, prefill
-dequantizes each output tile once for all rows; KN codes get the hand-written kernels (cpu_gemv.py for one
-token, cpu_prefill.py for a prompt); all compute what the unscheduled function computes."""
+dequantizes each output tile once for all rows; KN codes get the hand-written kernels (gemv.py / x86.py for one
+token, prefill.py for a prompt); all compute what the unscheduled function computes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from tvm import te, tirx
 
 from pipeline.config import load_target
 from pipeline.kernels.cpu import gemv as cpu_gemv
-from pipeline.kernels.cpu.schedule import CPUInlineParallel, _has_avx2, _has_vnni
+from pipeline.kernels.cpu import packed, probe, recognize, x86
+from pipeline.kernels.cpu.probe import has_avx2, has_vnni
+from pipeline.kernels.cpu.schedule import CPUInlineParallel
 from pipeline.models.layers import dequantize_q8_te, dequantize_te
 from pipeline.op_classes import classify
 
@@ -99,7 +101,7 @@ def test_prefill_kn_matmul_is_the_hand_written_kernel(fmt, k, n, relax_order):
     """A prompt times KN codes becomes cpu_prefill's kernel (rows four at a time over a dequantized tile,
     the rest one at a time): the fused TE's outputs up to fp32 summation order, for row counts below, at
     and past the register tile (t2 with K = 192: a short last group of 64)."""
-    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.recognize import match_packed_kn_gemv
 
     func = _prompt_matmul(fmt, k, n, relax_order)
     assert match_packed_kn_gemv(func, rows="prompt")[0] == fmt and match_packed_kn_gemv(func) is None
@@ -142,7 +144,7 @@ def _float_gemv_func(weight_dtype: str, k_last: bool = True, bias: bool = False,
 
 @pytest.mark.parametrize("weight_dtype,relax_order", [("float16", True), ("float16", False), ("float32", True)])
 def test_float_gemv_is_the_hand_written_kernel(weight_dtype, relax_order, monkeypatch):
-    """q0f16 / q0f32 decode GEMVs without an epilogue: cpu_gemv.float_nt_gemv (4 rows at a time, the rows
+    """q0f16 / q0f32 decode GEMVs without an epilogue: gemv.float_nt_gemv (4 rows at a time, the rows
     ahead prefetched), declared a gemv, with the function's own parameter order; same result as the
     unscheduled function up to fp32 reassociation."""
     import pipeline.kernels.cpu.schedule as cs
@@ -159,7 +161,7 @@ def test_float_gemv_is_the_hand_written_kernel(weight_dtype, relax_order, monkey
 
 def test_float_gemv_below_the_fork_join_size_is_left_to_the_schedules():
     """A GEMV smaller than SERIAL_WORK multiply-adds is not worth two threads: not the hand-written kernel."""
-    from pipeline.kernels.cpu.gemv import match_float_nt_gemv
+    from pipeline.kernels.cpu.recognize import match_float_nt_gemv
 
     func = _float_gemv_func("float16")
     assert match_float_nt_gemv(func, min_work=N * K + 1) is None
@@ -236,9 +238,9 @@ def _q4_gemv_func(n: int, relax_order: bool):
 @pytest.mark.parametrize("n", [72, 80, 40, 192])
 @pytest.mark.parametrize("relax_order", [False, True])
 def test_decode_q4_gemv_is_the_hand_written_kernel(n, relax_order):
-    """The one-token KN q4 GEMV becomes cpu_gemv's kernel (codes masked in place against prescaled x, group
+    """The one-token KN q4 GEMV becomes gemv.py's kernel (codes masked in place against prescaled x, group
     sums of x, vector-typed tiles): the same outputs as the fused TE up to fp32 summation order."""
-    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.recognize import match_packed_kn_gemv
 
     func = _q4_gemv_func(n, relax_order)
     assert match_packed_kn_gemv(func) is not None
@@ -254,16 +256,16 @@ HOST = load_target("host-cpu").tvm()     # this machine's -mcpu
 AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})   # AVX2 without AVX-512 VNNI: the int16 kernels
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
 @pytest.mark.parametrize("n", [72, 40, 192])
 @pytest.mark.parametrize("threads", [1, 3])    # 3: K's 3 groups split 3 ways, partial sums added at the end
 def test_decode_q4_gemv_takes_int16_dot_products_on_avx2(n, threads, monkeypatch):
     """With AVX2 (host-cpu's -mcpu here) the q4 GEMV is the pmaddwd kernel: x quantized per group of 32 to
     int16, so the result matches the fp32 TE within 2^-15 of each group's largest |x| times the weights'
     magnitude — measured ~2e-5 relative; bounded here at 2e-4 of the largest output."""
-    from pipeline.kernels.cpu.gemv import k_splits
+    from pipeline.kernels.cpu.packed import k_splits
 
-    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
+    monkeypatch.setattr(probe, "build_threads", lambda: threads)
     assert k_splits(n, K, threads) == threads
     func = _q4_gemv_func(n, relax_order=True)
     sch = CPUInlineParallel().apply(func, AVX2, False)
@@ -277,7 +279,7 @@ def test_decode_q4_gemv_takes_int16_dot_products_on_avx2(n, threads, monkeypatch
 
 def test_hand_written_gemv_only_replaces_its_own_pattern():
     """NK codes and a prompt's rows keep the schedules (their functions are not that GEMV)."""
-    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.recognize import match_packed_kn_gemv
 
     for bits in (4, 8):
         assert match_packed_kn_gemv(_dequant_matmul("NK", bits, 1)) is None
@@ -293,7 +295,7 @@ def test_decode_q8_gemv_is_the_hand_written_kernel(threads, monkeypatch):
     """int8 codes (q8f16, and the lm_head of the ternary schemes): the same span walk, sign-extended codes;
     K split one part per thread of a library built for this computer."""
 
-    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
+    monkeypatch.setattr(probe, "build_threads", lambda: threads)
     func = _dequant_matmul("KN", 8, 1)
     sch = CPUInlineParallel().apply(func, tvm.target.Target({"kind": "llvm"}), False)
     assert 'sblock("dequantize' not in sch.mod["main"].script()
@@ -315,7 +317,7 @@ def _t2_gemv_func(k: int, n: int = 48, fmt: str = "t2"):
     return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the byte dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the byte dot-product GEMV needs x86 AVX2; this CPU has none")
 @pytest.mark.parametrize("fmt,n,k", [("q4", 72, K), ("q4", 40, K), ("q4", 192, K), ("t2", 48, 256),
                                      ("t2", 48, 192), ("t2", 48, 576), ("b1", 48, 256), ("b1", 48, 576)])
 @pytest.mark.parametrize("threads", [1, 3])   # 3: K in up to 3 parts, of unequal group counts at K = 576
@@ -325,26 +327,26 @@ def test_decode_gemv_takes_pmaddubsw_on_avx2(fmt, n, k, threads, monkeypatch):
     codes added into int16 halves, 16-bit sums over a group, widened at its end: the same integer sums as
     the vpdpbusd form, so the same bound: within 2e-4 of the largest output of the fp32 TE."""
 
-    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
+    monkeypatch.setattr(probe, "build_threads", lambda: threads)
     func = _q4_gemv_func(n, relax_order=True) if fmt == "q4" else _t2_gemv_func(k, n, fmt)   # q4: K = 96
     if fmt in cpu_gemv.AVX2_BYTE_FORMATS:
         kernel = CPUInlineParallel().apply(func, AVX2, False).mod["main"]
     else:
         assert "pmadd.ub.sw" not in CPUInlineParallel().apply(func, AVX2, False).mod["main"].script()
-        kernel = cpu_gemv.packed_kn_gemv_bytes(cpu_gemv.FORMATS[fmt], n, k, "float16",
-                                               cpu_gemv.k_splits(n, k, threads, fmt), dot="avx2")
-        kernel = cpu_gemv.substitute(func, kernel, cpu_gemv.match_packed_kn_gemv(func)[4], "dequant-gemv")
+        kernel = x86.packed_kn_gemv_bytes(packed.FORMATS[fmt], n, k, "float16",
+                                               packed.k_splits(n, k, threads, fmt), dot="avx2")
+        kernel = packed.substitute(func, kernel, recognize.match_packed_kn_gemv(func)[4], "dequant-gemv")
     text = kernel.script()
     assert "pmadd.ub.sw" in text and "vpdpbusd" not in text
     want = _run(func, 1)
     got = _run(kernel, 1, AVX2)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
-    if _has_vnni(HOST):   # the same integer sums as the vpdpbusd form: identical outputs
+    if has_vnni(HOST):   # the same integer sums as the vpdpbusd form: identical outputs
         vnni = CPUInlineParallel().apply(func, HOST, False).mod["main"]
         np.testing.assert_array_equal(_run(vnni, 1, HOST), got)
 
 
-@pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
+@pytest.mark.skipif(not has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("fmt,n,k", [("q4", 72, K), ("q4", 40, K), ("q4", 192, K), ("t2", 48, 256),
                                      ("t2", 48, 192), ("t2", 48, 576), ("b1", 48, 256), ("b1", 48, 576)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -353,7 +355,7 @@ def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monke
     int16 kernel's precision, split into two signed bytes, so the same bound holds: within 2e-4 of the
     largest output of the fp32 TE (measured 2e-5 to 7e-5)."""
 
-    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
+    monkeypatch.setattr(probe, "build_threads", lambda: threads)
     func = _q4_gemv_func(n, relax_order=True) if fmt == "q4" else _t2_gemv_func(k, n, fmt)   # q4: K = 96
     sch = CPUInlineParallel().apply(func, HOST, False)
     text = sch.mod["main"].script()
@@ -367,7 +369,7 @@ def test_decode_gemv_takes_byte_dot_products_with_vnni(fmt, n, k, threads, monke
 def test_decode_t2_gemv_is_the_hand_written_kernel(k, fmt):
     """Ternary t2 (16 two-bit codes per word, (code - 1) * scale per 128): the same kernel with 2-bit fields;
     binary b1 (32 sign bits per word, (2 bit - 1) * scale): with 1-bit fields and a step of 2."""
-    from pipeline.kernels.cpu.gemv import match_packed_kn_gemv
+    from pipeline.kernels.cpu.recognize import match_packed_kn_gemv
 
     func = _t2_gemv_func(k, fmt=fmt)
     assert match_packed_kn_gemv(func)[0] == fmt
@@ -414,7 +416,7 @@ def _q8_gemv_func(n: int, k: int):
     return te.create_prim_func([w, s, x, out]).with_attr("global_symbol", "main")
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
 @pytest.mark.parametrize("n,k", [(96, 96), (64, 576), (48, 64), (80, 64)])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_decode_q8_gemv_takes_int16_dot_products_on_avx2(n, k, threads, monkeypatch):
@@ -422,7 +424,7 @@ def test_decode_q8_gemv_takes_int16_dot_products_on_avx2(n, k, threads, monkeypa
     int16 pair: within 2e-4 of the fp32 TE's largest output (measured ~2e-5); 3 or 2 blocks of 16 columns
     per step; N not a multiple of 32 keeps the fp32 kernel. Codes at -127 / 127 with x at one value: the
     largest group sums, exact."""
-    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
+    monkeypatch.setattr(probe, "build_threads", lambda: threads)
     func = _q8_gemv_func(n, k)
     sch = CPUInlineParallel().apply(func, AVX2, False)
     text = sch.mod["main"].script()
@@ -478,7 +480,7 @@ def test_decode_q8_gemv_over_tiled_codes(n, k, kind):
     numpy on the untiled codes), and the decode GEMV is the tiled kernel — pmaddwd straight from each 32-byte
     row pair on AVX2 (x in int16 per group: within 2e-4 of the largest output, measured ~2e-5), fp32 where
     there is no AVX2 (within fp32 summation order)."""
-    if kind == "int16" and not _has_avx2(HOST):
+    if kind == "int16" and not has_avx2(HOST):
         pytest.skip("the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
     func = _q8_tiled_func(n, k)
     args, want = _tiled_inputs(n, k, 1)
@@ -487,12 +489,12 @@ def test_decode_q8_gemv_over_tiled_codes(n, k, kind):
     sch = CPUInlineParallel().apply(func, target, False)
     text = sch.mod["main"].script()
     assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16" and n > 16)
-    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == "dequant-gemv"
+    assert sch.mod["main"].attrs[packed.OP_CLASS_ATTR] == "dequant-gemv"
     tol = 2e-4 if kind == "int16" and n > 16 else 1e-5
     np.testing.assert_allclose(_call(sch.mod["main"], args, 1, n, target), want, rtol=0, atol=tol * np.abs(want).max())
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
 def test_tiled_q8_gemv_group_sums_are_exact_at_the_extremes():
     """Codes at -127 / 127 against x at one value: the largest int32 group sums the kernel forms, exact (x's
     int16 step is then exact), so the result equals the fp32 kernel's to fp32 rounding."""
@@ -511,7 +513,7 @@ def test_prefill_q8_matmul_over_tiled_codes(kind, n, k, rows):
     """A prompt's rows times tiled q8 codes: on AVX2 the pmaddwd prefill with one code tile per task (its row
     pairs sign-extended are the lanes' pairs; x in int16 per group: within 2e-4 of the largest output),
     elsewhere the fp32 kernel (within fp32 summation order); against numpy on the untiled codes."""
-    if kind == "int16" and not _has_avx2(HOST):
+    if kind == "int16" and not has_avx2(HOST):
         pytest.skip("the int16 dot-product prefill needs x86 AVX2; this CPU has none")
     m = tirx.Var("seq_len", "int64")
     func = _q8_tiled_func(n, k, rows=m)
@@ -519,7 +521,7 @@ def test_prefill_q8_matmul_over_tiled_codes(kind, n, k, rows):
     sch = CPUInlineParallel().apply(func, target, False)
     text = sch.mod["main"].script()
     assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16")
-    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == "dequant-matmul"
+    assert sch.mod["main"].attrs[packed.OP_CLASS_ATTR] == "dequant-matmul"
     args, want = _tiled_inputs(n, k, rows, seed=3)
     tol = 2e-4 if kind == "int16" else 1e-5
     np.testing.assert_allclose(_call(sch.mod["main"], args, rows, n, target), want, rtol=0,
@@ -528,7 +530,7 @@ def test_prefill_q8_matmul_over_tiled_codes(kind, n, k, rows):
 
 def test_tiled_q8_codes_need_whole_tiles():
     """Only codes that are exactly tile_q8's shape of the [K, N] weight are taken as tiled."""
-    from pipeline.kernels.cpu.gemv import q8_tile_of
+    from pipeline.kernels.cpu.packed import q8_tile_of
 
     assert q8_tile_of((6, 48, 32), 96, 96) == 16
     assert q8_tile_of((6, 48, 32), 80, 96) == 0 and q8_tile_of((6, 47, 32), 96, 96) == 0
@@ -585,7 +587,7 @@ def test_decode_gemv_over_tiled_codes(fmt, n, k, tile, kind):
     TE reads them so (against numpy on the plain KN codes), and the decode GEMV is the tiled kernel — pmaddwd
     on AVX2 (x in int16 per group: within 2e-4 of the largest output, measured ~2e-5), fp32 elsewhere
     (within fp32 summation order); either way one parallel task per tile, not the KN kernels' split K."""
-    if kind == "int16" and not _has_avx2(HOST):
+    if kind == "int16" and not has_avx2(HOST):
         pytest.skip("the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
     func = _packed_tiled_func(fmt, n, k, tile)
     args, want = _packed_tiled_inputs(fmt, n, k, tile, 1)
@@ -595,12 +597,12 @@ def test_decode_gemv_over_tiled_codes(fmt, n, k, tile, kind):
     text = sch.mod["main"].script()
     assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16")
     assert f"T.parallel({n // tile})" in text
-    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == ("dequant-gemv" if fmt == "q4" else "dequant-gemv-ternary")
+    assert sch.mod["main"].attrs[packed.OP_CLASS_ATTR] == ("dequant-gemv" if fmt == "q4" else "dequant-gemv-ternary")
     tol = 2e-4 if kind == "int16" else 1e-5
     np.testing.assert_allclose(_call(sch.mod["main"], args, 1, n, target), want, rtol=0, atol=tol * np.abs(want).max())
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
 def test_tiled_q4_gemv_group_sums_are_exact_at_the_extremes():
     """Every code 15 (or 0) against x at one value: the largest int32 group sums the kernel forms (the high
     codes' sum 16 times theirs), exact, so the result equals (code - 7) * 0.5 * K to fp32 rounding."""
@@ -617,15 +619,15 @@ def test_tiled_gemv_prefetch_distance_follows_the_cpu_vendor(monkeypatch):
     """The tiled GEMV's software prefetch is the table's for this machine's CPU vendor (Intel: on; AMD and
     unknown: off) and only for a library built for this computer: a cross-compiled one's CPU is unknown."""
     cross = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-android"})
-    for vendor, want in [("GenuineIntel", cpu_gemv.GEMV_PREFETCH_BYTES["GenuineIntel"]), ("AuthenticAMD", 0), ("", 0)]:
-        monkeypatch.setattr(cpu_gemv, "cpu_vendor", lambda v=vendor: v)
-        assert cpu_gemv.native_prefetch_bytes(AVX2) == want and cpu_gemv.native_prefetch_bytes(cross) == 0
+    for vendor, want in [("GenuineIntel", probe.GEMV_PREFETCH_BYTES["GenuineIntel"]), ("AuthenticAMD", 0), ("", 0)]:
+        monkeypatch.setattr(probe, "cpu_vendor", lambda v=vendor: v)
+        assert probe.native_prefetch_bytes(AVX2) == want and probe.native_prefetch_bytes(cross) == 0
         text = CPUInlineParallel().apply(_packed_tiled_func("q4", 96, 256, 24), AVX2, False).mod["main"].script()
         assert ("llvm.prefetch" in text) == (want > 0)
-    assert cpu_gemv.GEMV_PREFETCH_BYTES["GenuineIntel"] > 0
+    assert probe.GEMV_PREFETCH_BYTES["GenuineIntel"] > 0
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
 @pytest.mark.parametrize("fmt,n,k,tile", [("q4", 576, 96, 24), ("q4", 96, 1024, 16), ("q4", 48, 576, 8),
                                           ("t2", 72, 576, 24)])
 def test_prefetching_tiled_gemv_gives_the_same_outputs(fmt, n, k, tile):
@@ -634,9 +636,9 @@ def test_prefetching_tiled_gemv_gives_the_same_outputs(fmt, n, k, tile):
     ends) and within one (K = 1024: 64 rows of 16 columns ahead in a 128-row tile)."""
     args, want = _packed_tiled_inputs(fmt, n, k, tile, 1, seed=5)
     outs = []
-    for ahead in (0, cpu_gemv.GEMV_PREFETCH_BYTES["GenuineIntel"]):
-        fmt_spec = cpu_gemv.FORMATS[fmt]
-        kernel = cpu_gemv.packed_tiled_gemv_int16(fmt_spec, n, k, tile, prefetch_bytes=ahead)
+    for ahead in (0, probe.GEMV_PREFETCH_BYTES["GenuineIntel"]):
+        fmt_spec = packed.FORMATS[fmt]
+        kernel = x86.packed_tiled_gemv_int16(fmt_spec, n, k, tile, prefetch_bytes=ahead)
         func = kernel.with_attr("global_symbol", "main")
         assert ("llvm.prefetch" in func.script()) == (ahead > 0)
         outs.append(_call(func, args, 1, n, AVX2))
@@ -653,9 +655,9 @@ def test_prefill_matmul_over_tiled_codes(kind, fmt, n, k, tile, rows):
     with AVX-512 VNNI the vpdpbusd prefill (16 / 32 columns a task, which may span two code tiles: codes and
     scales copied 8 columns at a time), elsewhere the fp32 kernel reading the tiles by index (within fp32
     summation order); against numpy on the plain KN codes."""
-    if kind == "int16" and not _has_avx2(HOST):
+    if kind == "int16" and not has_avx2(HOST):
         pytest.skip("the int16 dot-product prefill needs x86 AVX2; this CPU has none")
-    if kind == "vnni" and not _has_vnni(HOST):
+    if kind == "vnni" and not has_vnni(HOST):
         pytest.skip("the byte dot-product prefill needs AVX-512 VNNI; this CPU has none")
     m = tirx.Var("seq_len", "int64")
     func = _packed_tiled_func(fmt, n, k, tile, rows=m)
@@ -664,7 +666,7 @@ def test_prefill_matmul_over_tiled_codes(kind, fmt, n, k, tile, rows):
     text = sch.mod["main"].script()
     assert 'sblock("dequantize' not in text and ("pmadd.wd" in text) == (kind == "int16")
     assert ("vpdpbusd" in text) == (kind == "vnni")
-    assert sch.mod["main"].attrs[cpu_gemv.OP_CLASS_ATTR] == ("dequant-matmul" if fmt == "q4" else "dequant-matmul-ternary")
+    assert sch.mod["main"].attrs[packed.OP_CLASS_ATTR] == ("dequant-matmul" if fmt == "q4" else "dequant-matmul-ternary")
     args, want = _packed_tiled_inputs(fmt, n, k, tile, rows, seed=3)
     tol = 1e-5 if kind == "fp32" else 2e-4
     np.testing.assert_allclose(_call(sch.mod["main"], args, rows, n, target), want, rtol=0,
@@ -674,7 +676,8 @@ def test_prefill_matmul_over_tiled_codes(kind, fmt, n, k, tile, rows):
 def test_tiled_q4_codes_need_whole_tiles_and_tiled_scales():
     """Only codes and scales that are exactly tile_kn's shapes of the [K, N] weight, in at least two tiles,
     are taken as tiled; anything else keeps the schedules (or the KN kernels for plain KN codes)."""
-    from pipeline.kernels.cpu.gemv import TILED_Q4, TILED_T2, match_packed_kn_gemv
+    from pipeline.kernels.cpu.packed import TILED_Q4, TILED_T2
+    from pipeline.kernels.cpu.recognize import match_packed_kn_gemv
 
     assert match_packed_kn_gemv(_packed_tiled_func("q4", 96, 64, 24))[0] == TILED_Q4
     assert match_packed_kn_gemv(_packed_tiled_func("t2", 96, 576, 24))[0] == TILED_T2
@@ -693,7 +696,7 @@ def test_tiled_q4_codes_need_whole_tiles_and_tiled_scales():
         assert match_packed_kn_gemv(gemv(w_shape, s_shape)) is None, (w_shape, s_shape)
 
 
-@pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
+@pytest.mark.skipif(not has_vnni(HOST), reason="the byte dot-product GEMV needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("n,k", [(192, 96), (96, 576), (64, 64)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_decode_q8_gemv_takes_byte_dot_products_with_vnni(n, k, threads, monkeypatch):
@@ -701,7 +704,7 @@ def test_decode_q8_gemv_takes_byte_dot_products_with_vnni(n, k, threads, monkeyp
     bytes: within 2e-4 of the fp32 TE's largest output (measured ~2e-5); N not a multiple of 32 keeps the
     fp32 kernel."""
 
-    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: threads)
+    monkeypatch.setattr(probe, "build_threads", lambda: threads)
     func = _q8_gemv_func(n, k)
     sch = CPUInlineParallel().apply(func, HOST, False)
     assert "vpdpbusd" in sch.mod["main"].script()
@@ -726,7 +729,7 @@ def test_runtime_uses_every_cpu_by_default():
     assert int(out.split()[-1]) == 1
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product prefill needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the int16 dot-product prefill needs x86 AVX2; this CPU has none")
 @pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("t2", 192, 48), ("t2", 576, 16),
                                      ("t2", 192, 64)])
 def test_prefill_takes_int16_dot_products_on_avx2(fmt, k, n):
@@ -746,7 +749,7 @@ def test_prefill_takes_int16_dot_products_on_avx2(fmt, k, n):
         assert "pmadd.wd" not in CPUInlineParallel().apply(func, AVX2, False).mod["main"].script()
 
 
-@pytest.mark.skipif(not _has_vnni(HOST), reason="the byte dot-product prefill needs AVX-512 VNNI; this CPU has none")
+@pytest.mark.skipif(not has_vnni(HOST), reason="the byte dot-product prefill needs AVX-512 VNNI; this CPU has none")
 @pytest.mark.parametrize("fmt,k,n", [("q4", 96, 72), ("q4", 64, 40), ("q4", 96, 48), ("q4", 96, 96), ("t2", 192, 48),
                                      ("t2", 576, 16), ("t2", 192, 64), ("b1", 192, 48), ("b1", 576, 16)])
 def test_prefill_takes_byte_dot_products_with_vnni(fmt, k, n):
@@ -793,44 +796,42 @@ def test_integer_gemvs_prefetch_the_next_group_only_when_near(kind, fmt, splits,
     """The integer GEMVs prefetch the next group's code rows of their tile (the task's own next group: a part
     of K ends at its last) when a group of rows spans at most PREFETCH_MAX_AHEAD bytes, never for a 49152-wide
     lm_head; the prefetch changes no result (bit-identical to the same kernel without it)."""
-    from pipeline.kernels.cpu import gemv as cg
 
-    builder = {"int16": cg.packed_kn_gemv_int16, "vnni": cg.packed_kn_gemv_bytes, "q8vnni": cg.q8_kn_gemv_vnni,
-               "avx2bytes": lambda *a: cg.packed_kn_gemv_bytes(*a, dot="avx2")}[kind]
-    spec = cg.FORMATS[fmt]
+    builder = {"int16": x86.packed_kn_gemv_int16, "vnni": x86.packed_kn_gemv_bytes, "q8vnni": x86.q8_kn_gemv_vnni,
+               "avx2bytes": lambda *a: x86.packed_kn_gemv_bytes(*a, dot="avx2")}[kind]
+    spec = packed.FORMATS[fmt]
     assert "llvm.prefetch" in builder(spec, 3072, 576, "float16", splits).script()
     assert "llvm.prefetch" not in builder(spec, 49152, 576, "float16", splits).script()
     n, k = 96, 640 if fmt != "q8" else 256   # t2 / b1: 5 groups of 128, q4 / q8: 20 / 8 groups of 32
     avx2 = kind in ("int16", "avx2bytes")
     target = AVX2 if avx2 else HOST
-    if (avx2 and not _has_avx2(HOST)) or (not avx2 and not _has_vnni(HOST)):
+    if (avx2 and not has_avx2(HOST)) or (not avx2 and not has_vnni(HOST)):
         pytest.skip("this CPU cannot run the kernel")
     outs = []
-    for ahead in (cg.PREFETCH_MAX_AHEAD, 0):
-        monkeypatch.setattr(cg, "PREFETCH_MAX_AHEAD", ahead)
+    for ahead in (packed.PREFETCH_MAX_AHEAD, 0):
+        monkeypatch.setattr(packed, "PREFETCH_MAX_AHEAD", ahead)
         func = builder(spec, n, k, "float16", splits).with_attr("global_symbol", "main")
         assert ("llvm.prefetch" in func.script()) == (ahead > 0)
         outs.append(_run(func, 1, target))
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.skipif(not _has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
+@pytest.mark.skipif(not has_avx2(HOST), reason="the int16 dot-product GEMV needs x86 AVX2; this CPU has none")
 @pytest.mark.parametrize("splits", [1, 2])
 def test_q8_int16_gemv_prefetches_ahead_in_its_rows(splits):
     """The AVX2 q8 GEMV prefetches Q8_INT16_AHEAD columns ahead in the two rows each step reads (clamped to
     the buffer, so near a row's end it re-fetches its last line), for every width; the prefetch changes no
     result (bit-identical to the kernel without it)."""
-    from pipeline.kernels.cpu import gemv as cg
 
-    spec = cg.FORMATS["q8"]
+    spec = packed.FORMATS["q8"]
     n, k = 96, 256
     outs = []
-    for ahead in (cg.Q8_INT16_AHEAD, 0):
-        func = cg.q8_kn_gemv_int16(spec, n, k, "float16", splits, ahead).with_attr("global_symbol", "main")
+    for ahead in (x86.Q8_INT16_AHEAD, 0):
+        func = x86.q8_kn_gemv_int16(spec, n, k, "float16", splits, ahead).with_attr("global_symbol", "main")
         assert ("llvm.prefetch" in func.script()) == (ahead > 0)
         outs.append(_run(func, 1, AVX2))
     np.testing.assert_array_equal(outs[0], outs[1])
-    assert "llvm.prefetch" in cg.q8_kn_gemv_int16(spec, 49152, 576, "float16", splits).script()
+    assert "llvm.prefetch" in x86.q8_kn_gemv_int16(spec, 49152, 576, "float16", splits).script()
 
 
 def _parallel_tasks_ir(func, target) -> str:
@@ -841,7 +842,7 @@ def _parallel_tasks_ir(func, target) -> str:
     return "\n".join(bodies)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "float16"] + (["q4-vnni", "q8-vnni"] if _has_vnni(HOST) else []))
+@pytest.mark.parametrize("kind", ["q4", "q8", "float16"] + (["q4-vnni", "q8-vnni"] if has_vnni(HOST) else []))
 def test_decode_gemv_tasks_keep_their_accumulators_off_the_heap(kind, monkeypatch):
     """A hand-written GEMV's per-task vectors (accumulators, loaded words) are small default-scope buffers,
     which become stack slots that LLVM promotes to registers, and their scalars are let-bound. Declared
@@ -850,7 +851,7 @@ def test_decode_gemv_tasks_keep_their_accumulators_off_the_heap(kind, monkeypatc
     were not); a plain scalar assignment (`col = ...`) is such a one-element allocation too."""
     from pipeline.kernels.cpu import schedule as cs
 
-    monkeypatch.setattr(cpu_gemv, "build_threads", lambda: 2)
+    monkeypatch.setattr(probe, "build_threads", lambda: 2)
     monkeypatch.setattr(cs, "SERIAL_WORK", 1)
     func = {"q4": lambda: _q4_gemv_func(72, relax_order=True), "q4-vnni": lambda: _q4_gemv_func(72, relax_order=True),
             "q8": lambda: _q8_gemv_func(64, K), "q8-vnni": lambda: _q8_gemv_func(64, K),

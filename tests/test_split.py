@@ -59,7 +59,7 @@ def test_split_build_gives_the_same_logits(tmp_path, small_alloc_target, quant, 
     folder, _ = tiny_hf_model(tmp_path, "llama", num_hidden_layers=2, tie_word_embeddings=tied, vocab_size=VOCAB)
     plain, split = _bundles(folder, quant, small_alloc_target, tmp_path)
     # 2e-4: on AVX2 / AVX-512 VNNI the whole lm_head's GEMV (and with VNNI the q4 prefill matmul) takes
-    # int16 activations (cpu_gemv: ~2e-5 relative) while a part of 683 rows (not a multiple of 8) keeps an
+    # int16 activations (kernels/cpu/x86.py: ~2e-5 relative) while a part of 683 rows (not a multiple of 8) keeps an
     # fp32 kernel — a wrong part boundary is off by O(1)
     for a, b in zip(_logits(plain), _logits(split), strict=True):
         assert np.abs(a).max() > 0.1

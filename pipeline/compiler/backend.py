@@ -16,7 +16,7 @@ from tvm import relax
 
 from pipeline.compiler.schedule import KernelSchedule, schedule_module
 from pipeline.config import TargetSpec
-from pipeline.kernels.cpu.gemv import build_threads
+from pipeline.kernels.cpu.probe import build_threads
 from pipeline.kernels.cpu.regions import merge_regions
 from pipeline.kernels.npu.hexagon import build_npu_library, partition
 from pipeline.progress import Reporter

@@ -123,7 +123,7 @@ def tile_kn(rows: np.ndarray, tile: int) -> np.ndarray:
     """KN packed codes (q4 [K / 8, N], t2 [K / 16, N]) or their scales -> [N / tile, rows, tile]: element
     [t, r, j] is [r, t tile + j]. host-cpu's q4 / t2 storage (targets' `q4_tile`, `t2_tile`): each tile of
     `tile` output columns, codes and scales alike, is one contiguous run over K, which the decode GEMV streams
-    (cpu_gemv.packed_tiled_gemv_int16); over KN rows a task walked a group's code rows and its scale row side
+    (kernels/cpu/x86.packed_tiled_gemv_int16); over KN rows a task walked a group's code rows and its scale row side
     by side, pieces of 96 bytes that the prefetchers followed poorly on narrow layers."""
     r, n = rows.shape
     if n % tile:
@@ -168,7 +168,7 @@ def tile_q8(codes: np.ndarray, tile: int) -> np.ndarray:
     """KN int8 codes [K, N] -> [N / tile, K / 2, 2 tile]: element [t, i, 2 j + r] is code [2 i + r, t tile + j].
     host-cpu's q8 storage: each tile of `tile` output columns is one contiguous run over K with a column's
     codes for rows 2i, 2i + 1 side by side, so the decode GEMV streams a few long runs and feeds pmaddwd from
-    one load (cpu_gemv.q8_tiled_gemv_int16). The scales stay KN [K / 32, N]."""
+    one load (kernels/cpu/x86.q8_tiled_gemv_int16). The scales stay KN [K / 32, N]."""
     k, n = codes.shape
     if n % tile or k % 2:
         raise ValueError(f"cannot tile q8 codes [{k}, {n}] by {tile} columns and row pairs")

@@ -38,8 +38,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from pipeline.kernels.cpu.gemv import native_threads, prefetch_line
-from pipeline.kernels.cpu.schedule import _has_avx2
+from pipeline.kernels.cpu.packed import prefetch_line
+from pipeline.kernels.cpu.probe import has_avx2, native_threads
 
 TILE = 16      # keys per online-softmax step
 LANES = 8      # fp32 lanes of an AVX2 / 2x NEON register: partial sums of a dot product
@@ -520,7 +520,7 @@ def _decode_for(func: tvm.tirx.PrimFunc):
             or qd[0] % pd[1]:
         return None
     target = tvm.target.Target.current(allow_none=True)
-    return paged_decode(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2], prefetch=_has_avx2(target),
+    return paged_decode(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2], prefetch=has_avx2(target),
                         splits=decode_splits(pd[1], native_threads(target)))
 
 

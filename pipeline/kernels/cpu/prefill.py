@@ -1,7 +1,7 @@
 """Hand-written CPU kernels for the prefill matmul of quantized weights (a prompt's rows times KN q4, t2 or
 q8 codes, fp32 activations).
 
-Why not the schedule: `cpu_schedule` dequantizes a tile of 24 weight columns once per task and then runs
+Why not the schedule: `schedule.py` dequantizes a tile of 24 weight columns once per task and then runs
 every prompt row over it with the 24 columns in registers: per k, one broadcast of x, three loads of the
 tile and three FMAs — as many loads as FMAs, and the tile (K x 24 fp32: 55 KB at K = 576) is streamed once
 per row. Here, per tile, rows go MR at a time: MR x 3 accumulators (12 of AVX2's 16 registers at MR = 4),
@@ -26,22 +26,20 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from pipeline.formats import PACKINGS, tiled_kn_index, tiled_q8_index
-from pipeline.kernels.cpu.gemv import (
+from pipeline.kernels.cpu.gemv import INT16_FORMATS, VNNI_FORMATS
+from pipeline.kernels.cpu.packed import (
     FORMATS,
-    INT16_FORMATS,
     INT16_MAX,
     LANES,
     TILED_PACKED,
     TILED_Q8,
-    VNNI_FORMATS,
     VNNI_Q_MAX,
     PackedFormat,
-    match_packed_kn_gemv,
     q8_tile_of,
-    quad_bytes,
-    quad_low_bytes,
     substitute,
 )
+from pipeline.kernels.cpu.recognize import match_packed_kn_gemv
+from pipeline.kernels.cpu.x86 import quad_bytes, quad_low_bytes
 
 ROWS = 4           # prompt rows per register tile (x 3 vectors: 12 accumulators)
 TILE_VECTORS = (3, 2, 1)   # 24 weight columns per task when N allows, else 16 / 8
@@ -174,12 +172,11 @@ def packed_kn_matmul(spec: PackedFormat, n: int, k: int, scale_dtype: str = "flo
     return matmul
 
 
-def packed_kn_matmul_like(func: tirx.PrimFunc, text: str | None = None, byte_dot: bool = False,
-                          int16_dot: bool = False) -> tirx.PrimFunc | None:
+def packed_kn_matmul_like(func: tirx.PrimFunc, byte_dot: bool = False, int16_dot: bool = False) -> tirx.PrimFunc | None:
     """The hand-written prefill kernel with `func`'s parameter order, or None when `func` is not one.
     `byte_dot`: the target has AVX-512 VNNI (q4 / t2 then take `packed_kn_matmul_vnni`); `int16_dot`: it has
     AVX2's pmaddwd (q4 / t2 then take `packed_kn_matmul_int16`)."""
-    match = match_packed_kn_gemv(func, text, rows="prompt")
+    match = match_packed_kn_gemv(func, rows="prompt")
     if match is None:
         return None
     fmt, n, k, scale_dtype, order = match
@@ -223,11 +220,11 @@ WIDE_LANES = 16
 def packed_kn_matmul_vnni(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = VNNI_ROWS,
                           packed_tile: int = 0):
     """The q4 / t2 prefill with byte dot products (AVX-512 VNNI), x at the int16 kernels' precision as in
-    `cpu_gemv.packed_kn_gemv_bytes`: the fp32 kernel above is FMA-bound (8 multiply-adds per instruction);
+    `x86.packed_kn_gemv_bytes`: the fp32 kernel above is FMA-bound (8 multiply-adds per instruction);
     `vpdpbusd` does 32, two per 4 multiply-adds of a lane with x in two bytes (hi, lo).
 
     Every prompt row's x is quantized per group first (rows in parallel): its step d and, per word of codes
-    and shift c, the hi / lo bytes of the 4 x that meet that word's codes at shift c (cpu_gemv's "quads").
+    and shift c, the hi / lo bytes of the 4 x that meet that word's codes at shift c (x86.py's "quads").
     A task unpacks its 16 (or 8) columns of codes once — per word and shift, the 4 codes of each column as
     the 4 bytes of a uint32 — then runs the prompt's rows `rows` at a time over them: per quad of k, one
     `vpdpbusd` per row, vector and byte half; at the end of each group the int32 sums become fp32 (exact,
@@ -330,7 +327,7 @@ INT16_VECTORS = (2, 1)
 def packed_kn_matmul_int16(spec: PackedFormat, n: int, k: int, scale_dtype: str = "float16", rows: int = INT16_ROWS,
                            vectors: tuple[int, ...] = INT16_VECTORS, q8_tile: int = 0, packed_tile: int = 0):
     """The q4 / t2 prefill with int16 dot products (x86 AVX2 `pmaddwd`, no VNNI), x at the int16 decode
-    kernel's precision (`cpu_gemv.packed_kn_gemv_int16`): the fp32 kernel above does 8 multiply-adds per
+    kernel's precision (`x86.packed_kn_gemv_int16`): the fp32 kernel above does 8 multiply-adds per
     FMA; `pmaddwd` does 16 (two int16 products per int32 lane) and Zen 3 issues two a cycle.
 
     Every prompt row's x is quantized per group of the weights first (rows in parallel): q = round(x * 32767

@@ -24,6 +24,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.s_tir import SBlockRealize, renew_defs
 
+from pipeline.kernels.cpu.recognize import statements
+
 LAUNCH = "pragma_parallel_launch_point"        # TVM's CPU codegen: one thread-pool launch for the body
 BARRIER = "pragma_parallel_barrier_when_finish"  # ... and all tasks wait here after the statement
 DECODE_FUNCTIONS = ("decode", "decode_greedy")  # static shapes: one token
@@ -42,9 +44,8 @@ def _seq(stmts: list[tirx.Stmt]) -> tirx.Stmt:
 
 
 def _has_parallel(stmt: tirx.Stmt) -> bool:
-    """Whether a parallel loop sits anywhere in `stmt` (this TVM has no Python statement visitor; its
-    printed form names every parallel loop `T.parallel(`)."""
-    return "T.parallel(" in stmt.script()
+    """Whether a parallel loop sits anywhere in `stmt`."""
+    return any(_is_parallel(s) for s in statements(stmt))
 
 
 def _is_parallel(stmt: tirx.Stmt) -> bool:

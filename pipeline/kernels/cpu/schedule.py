@@ -12,30 +12,26 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
-from tvm.target import codegen
 
-from pipeline.kernels.cpu.gemv import (
-    float_nt_gemv_like,
-    native_prefetch_bytes,
-    native_threads,
-    packed_kn_gemv_like,
-)
+from pipeline.kernels.cpu.gemv import float_nt_gemv_like, packed_kn_gemv_like
 from pipeline.kernels.cpu.prefill import packed_kn_matmul_like
+from pipeline.kernels.cpu.probe import has_avx2, has_vnni, host_threads, native_prefetch_bytes
+from pipeline.kernels.cpu.recognize import block_names
 
 
 class CPUInlineParallel(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
             return None
-        text = func.script()      # printed once: both checks below read it
-        kernel = packed_kn_gemv_like(func, text, int16_dot=_has_avx2(target), threads=_host_threads(target),
-                                     byte_dot=_has_vnni(target), prefetch_bytes=native_prefetch_bytes(target))
-        if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, cpu_gemv.py
+        names = block_names(func)
+        kernel = packed_kn_gemv_like(func, int16_dot=has_avx2(target), threads=host_threads(target),
+                                     byte_dot=has_vnni(target), prefetch_bytes=native_prefetch_bytes(target))
+        if kernel is not None:    # decode q4 / t2 / q8 GEMV (one token, KN codes): the hand-written kernel, gemv.py / x86.py
             return s_tir.Schedule(kernel)
-        kernel = packed_kn_matmul_like(func, text, byte_dot=_has_vnni(target), int16_dot=_has_avx2(target))
-        if kernel is not None:    # prefill q4 / t2 / q8 matmul (a prompt's rows, KN codes): cpu_prefill.py
+        kernel = packed_kn_matmul_like(func, byte_dot=has_vnni(target), int16_dot=has_avx2(target))
+        if kernel is not None:    # prefill q4 / t2 / q8 matmul (a prompt's rows, KN codes): prefill.py
             return s_tir.Schedule(kernel)
-        if 'sblock("dequantize' in text:
+        if any(name.startswith("dequantize") for name in names):
             try:
                 tiled = _dequant_tiles_for_rows(func)
             except Exception:  # noqa: BLE001 - not this shape: the general path below
@@ -43,8 +39,8 @@ class CPUInlineParallel(ScheduleRule):
             if tiled is not None:
                 return tiled
         else:
-            kernel = float_nt_gemv_like(func, text, SERIAL_WORK)
-            if kernel is not None:    # decode q0f16 / q0f32 GEMV (one token, NT float weights): cpu_gemv.py
+            kernel = float_nt_gemv_like(func, SERIAL_WORK)
+            if kernel is not None:    # decode q0f16 / q0f32 GEMV (one token, NT float weights): gemv.py
                 return s_tir.Schedule(kernel)
             try:
                 gemv = _float_gemv(func)
@@ -73,7 +69,7 @@ class CPUInlineParallel(ScheduleRule):
         # Vector lanes along the output dim: contiguous loads for KN q4 codes; for NK codes they gather,
         # which measured still 2x faster than a scalar loop (the unpacking dominates). Float NT weights
         # stay plain parallel.
-        q4_weights = 'sblock("dequantize_' in func.script()
+        q4_weights = any(name.startswith("dequantize_") for name in names)
         if q4_weights and len(reduction) == 1 and _vectorizable(sch, spatial[-1]):
             try:
                 _matmul_vectorized(sch, last, spatial, reduction[0])
@@ -89,29 +85,6 @@ class CPUInlineParallel(ScheduleRule):
             return sch
         sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
         return sch
-
-
-def _has_avx2(target) -> bool:
-    """The target has x86 AVX2 (its -mcpu or -mattr): the int16 dot-product GEMV (cpu_gemv.py) applies."""
-    try:
-        return target is not None and "llvm" in str(target.kind) and bool(codegen.target_has_features("avx2", target))
-    except Exception:  # noqa: BLE001 - not an x86 LLVM target
-        return False
-
-
-def _has_vnni(target) -> bool:
-    """The target has AVX-512 VNNI on 256-bit vectors (vpdpbusd, e.g. Zen 4, Ice Lake and later): the byte
-    dot-product GEMV (cpu_gemv.packed_kn_gemv_bytes) applies."""
-    try:
-        return (target is not None and "llvm" in str(target.kind)
-                and all(bool(codegen.target_has_features(f, target)) for f in ("avx512vnni", "avx512vl")))
-    except Exception:  # noqa: BLE001 - not an x86 LLVM target
-        return False
-
-
-def _host_threads(target) -> int:
-    """`cpu_gemv.native_threads`, else 1 (a cross-compiled library is split for one thread)."""
-    return native_threads(target) or 1
 
 
 def _inline_producers(func: tirx.PrimFunc):

@@ -1,0 +1,85 @@
+"""Every quantized GEMV / prefill matmul of a host-cpu build gets its hand-written kernel (kernels/cpu/gemv.py,
+x86.py, prefill.py). The fast kernels are chosen by recognising the fused function (recognize.py); if that
+recognition stops matching (a TVM change, a renamed TE block, a new fusion), the build still succeeds on the
+slower scheduled kernels, so only a test like this one notices. The functions are found by the names relax
+gives the fused dequantize + matmul, not by the recogniser itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from test_coverage import SMALL
+from tvm import tirx
+
+from pipeline.config import ModelSpec, load_quant, load_target
+from pipeline.kernels.cpu.packed import OP_CLASS_ATTR
+from pipeline.kernels.cpu.recognize import block_names
+from pipeline.models import config_from_hf
+from pipeline.stages import Loaded, define, fuse, tune
+
+# relax's names for a fused dequantize (models/layers.py's TE, KN codes) + matmul, and for a cast + NT matmul
+DEQUANT = re.compile(r"fused_dequantize_(q4|q8|t2|b1)_kn\d*_matmul\d*")
+FLOAT_NT = re.compile(r"fused_cast\d*_NT_matmul\d*")
+CPUS = {"avx2": "haswell", "vnni": "znver4", "plain": "x86-64"}   # fixed -mcpu: the same answer on any machine
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return Loaded(ModelSpec(name="small", hf_config=SMALL, weights=None), SMALL, config_from_hf(SMALL), None)
+
+
+def _scheduled(loaded, quant: str, cpu: str, tiled: bool = True):
+    """The tuned module and schedule records of SMALL (SmolLM2's layer shapes) for host-cpu with `cpu`; tiled:
+    host-cpu's own tiled q4 / q8 / t2 storage, else plain KN codes."""
+    target = dataclasses.replace(load_target("host-cpu"),
+                                 tvm_target={"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": CPUS[cpu]})
+    if not tiled:
+        target = dataclasses.replace(target, q8_tile=0, q4_tile=0, t2_tile=0)
+    mod, records = tune(fuse(define(loaded, load_quant(quant), target), target), target)
+    return mod, {r.name: r.rule for r in records}
+
+
+def _kernels(mod, pattern):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if pattern.fullmatch(gv.name_hint)}
+
+
+@pytest.mark.parametrize("quant,cpu,tiled,formats", [
+    ("q4f16", "avx2", True, {"q4"}), ("q8f16", "avx2", True, {"q8"}), ("ternary_ptq", "avx2", True, {"t2", "q8"}),
+    ("q4f16", "vnni", True, {"q4"}), ("ternary_ptq", "plain", True, {"t2", "q8"}),
+    ("q4f16", "vnni", False, {"q4"}), ("binary_ptq", "avx2", False, {"b1", "q8"}),
+])
+def test_every_dequant_matmul_gets_the_hand_written_kernel(loaded, quant, cpu, tiled, formats):
+    """Decode GEMVs and prefill matmuls alike: the hand-written kernel (no TIR blocks left, its op class
+    declared), under the rule cpu_inline_parallel; on x86 with AVX2 every one is an integer dot-product
+    kernel (x86.py / prefill.py), for plain KN q8 prefill too on a tiled target."""
+    mod, rules = _scheduled(loaded, quant, cpu, tiled)
+    kernels = _kernels(mod, DEQUANT)
+    assert {DEQUANT.fullmatch(name).group(1) for name in kernels} == formats
+    classes = {}
+    for name, func in kernels.items():
+        op_class = str(func.attrs[OP_CLASS_ATTR]) if func.attrs and OP_CLASS_ATTR in func.attrs else None
+        assert rules[name] == "cpu_inline_parallel" and op_class is not None and not block_names(func), name
+        classes[name] = op_class
+        if tiled and cpu != "plain":
+            assert "llvm.x86." in func.script(), name
+        elif cpu == "plain":
+            assert "llvm.x86." not in func.script(), name
+    decode = [c for c in classes.values() if c.startswith("dequant-gemv")]
+    prefill = [c for c in classes.values() if c.startswith("dequant-matmul")]
+    assert len(decode) == len(prefill) == len(classes) // 2 > 0, classes
+
+
+def test_float_decode_gemvs_get_the_hand_written_kernel(loaded):
+    """q0f16: every one-token NT GEMV (the weight's cast fused in; static shapes, where a prompt's are
+    symbolic) is gemv.float_nt_gemv."""
+    mod, rules = _scheduled(loaded, "q0f16", "avx2")
+    kernels = _kernels(mod, FLOAT_NT)
+    decode = {name for name, f in kernels.items()
+              if all(isinstance(d, tirx.IntImm) for p in f.params for d in p.shape)}
+    assert decode and len(decode) == len(kernels) // 2
+    for name in decode:
+        func = kernels[name]
+        assert rules[name] == "cpu_inline_parallel" and not block_names(func), name
+        assert func.attrs and str(func.attrs.get(OP_CLASS_ATTR)) == "gemv", name
