@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -29,7 +30,19 @@ def _build(args) -> int:
     return 0
 
 
+def _check_sampling(args) -> None:
+    """Sampling options checked before anything is loaded (NaN compares false to every bound)."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise PipelineError(f"--temperature {args.temperature} is not a number >= 0", fix="e.g. --temperature 0.7 "
+                            "(0: greedy)")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise PipelineError(f"--top-p {args.top_p} is not in (0, 1]", fix="e.g. --top-p 0.95")
+    if args.max_new_tokens < 1:
+        raise PipelineError(f"--max-new-tokens {args.max_new_tokens} is not a positive number", fix="e.g. 64")
+
+
 def _run(args) -> int:
+    _check_sampling(args)
     from pipeline.runtime.lean import enter_runtime_process
 
     enter_runtime_process()   # running needs neither the compiler nor torch: 169 MiB RSS instead of 474

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -39,8 +40,10 @@ from pipeline.config import (
     load_quant,
     load_target,
 )
-from pipeline.errors import PipelineError, WeightsError
+from pipeline.errors import ConfigError, PipelineError, WeightsError
 from pipeline.frontend.checkpoint import open_checkpoint
+from pipeline.frontend.hf_config import text_config
+from pipeline.frontend.validate import UNUSED_PREFIXES, check_against_checkpoint
 from pipeline.kernels.cpu import rope as cpu_rope
 from pipeline.models import config_from_hf, model_class
 from pipeline.models.split import SplitFactory
@@ -74,7 +77,10 @@ def load(spec: ModelSpec) -> Loaded:
         raise PipelineError("no config and no weights", path=spec.path, fix="give --weights DIR")
     source = str(spec.path or spec.weights)
     decoder = config_from_hf(hf, source=source, context_window_size=spec.context_window_size,
-                                    prefill_chunk_size=spec.prefill_chunk_size)
+                             prefill_chunk_size=spec.prefill_chunk_size)
+    if ckpt is not None:   # before any stage: a config that disagrees with its tensors is one line, not a late crash
+        config_file = spec.path if spec.hf_config else ckpt.path / "config.json" if ckpt.path.is_dir() else ckpt.path
+        check_against_checkpoint(text_config(hf, source=config_file), ckpt, config_file)
     return Loaded(spec, hf, decoder, ckpt, ckpt.generation_config if ckpt else {})
 
 
@@ -201,10 +207,6 @@ def _report_ternary(quant: QuantSpec, stats: dict[str, float], report: Reporter)
         report.info(f"quantize: imported {int(stats['groups'])} {kind} groups; relative error {rel:.2g}"
                     + (f"; {rounded} scales are not fp16 numbers and were rounded to fp16" if rounded else
                        "; every scale kept exactly"))
-
-
-# Parts of multimodal / speculative checkpoints that text generation never reads.
-UNUSED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token-prediction head"}
 
 
 def _report_unused(ckpt: Any, report: Reporter) -> None:
@@ -408,6 +410,18 @@ def _with_calibration(quant: QuantSpec, calibration: str | None) -> QuantSpec:
     return dataclasses.replace(quant, calibration={**base, "text": calibration})
 
 
+def _check_out(out: Path) -> None:
+    """--out must be (or become) a writable folder: checked before any work, not when the bundle is renamed in."""
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--out {out}: {probe} is a file, not a folder", path=probe,
+                          fix="give --out a folder (it is created if missing)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {probe} is not writable", path=probe, fix="give --out a writable folder")
+
+
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
                  report: Reporter | None = None, phone: str | dict | None = None,
                  force_cpu: str | None = None, verify: bool | None = None,
@@ -419,6 +433,7 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
     `kv_cache`: auto | float16 | float32, replacing the scheme's KV-cache precision."""
     report = report or Reporter()
     t0 = time.time()
+    _check_out(Path(out))
     target_spec = load_target(target)
     if phone is not None:
         target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)

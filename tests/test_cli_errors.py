@@ -87,7 +87,7 @@ def config_disagrees_with_weights(folder: Path) -> str:
     cfg = json.loads((folder / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(cfg))
-    return "shape mismatch"
+    return "intermediate_size is 96"
 
 
 @pytest.mark.parametrize("breaker", [truncated, lying_header, missing_shard, pickle_bin, config_not_json,

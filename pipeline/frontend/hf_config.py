@@ -13,6 +13,7 @@ the family's code.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 DEFAULT_FULL_ATTENTION_INTERVAL = 4   # the hybrid's layer_types when the config lists none
 DEFAULT_CONV_KERNEL = 4               # transformers' default linear_conv_kernel_dim
 FIX = "give the model's complete HF config.json"
+MAX_VOCAB = 2**22   # a sanity bound: the largest real vocabularies are ~262K
 
 
 @dataclass(frozen=True)
@@ -155,8 +157,21 @@ def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> Tex
     n_layers = number("num_hidden_layers")
     # dense families (Llama, Qwen2/3) default the KV heads to the attention heads (no GQA); the hybrid's
     # transformers default is not, so a hybrid config must say
-    kv_heads = number("num_key_value_heads", default=None if hybrid else heads) or heads
-    head_dim = int(text.get("head_dim") or hidden // heads)
+    kv_heads = number("num_key_value_heads", default=None if hybrid else heads)
+    if text.get("head_dim") is None and hidden % heads:
+        raise ConfigError(f"hidden_size {hidden}{where} is not a multiple of num_attention_heads {heads} (and no "
+                          "head_dim is given)", path=source, fix=FIX)
+    head_dim = number("head_dim", default=hidden // heads)
+    intermediate, vocab = number("intermediate_size"), number("vocab_size")
+    for key, value in (("hidden_size", hidden), ("num_hidden_layers", n_layers), ("num_key_value_heads", kv_heads),
+                       ("head_dim", head_dim), ("intermediate_size", intermediate), ("vocab_size", vocab)):
+        if value <= 0:
+            raise ConfigError(f"{key}{where} must be positive, got {value}", path=source, fix=FIX)
+    if heads % kv_heads:
+        raise ConfigError(f"num_attention_heads {heads}{where} is not a multiple of num_key_value_heads {kv_heads}",
+                          path=source, fix=FIX)
+    if vocab > MAX_VOCAB:
+        raise ConfigError(f"vocab_size {vocab}{where} is implausible (over {MAX_VOCAB})", path=source, fix=FIX)
 
     types = list(text.get("layer_types") or [])
     if not types:
@@ -176,6 +191,13 @@ def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> Tex
                                  number("linear_conv_kernel_dim", default=DEFAULT_CONV_KERNEL))
 
     theta, scaling, partial = _rope(text)
+    eps = number("rms_norm_eps", float, 1e-6)
+    if not (math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"rms_norm_eps{where} must be a positive number, got {eps}", path=source, fix=FIX)
+    if theta is not None and not (math.isfinite(theta) and theta > 0):
+        raise ConfigError(f"rope_theta{where} must be a positive number, got {theta}", path=source, fix=FIX)
+    if partial is not None and not 0 < partial <= 1:
+        raise ConfigError(f"partial_rotary_factor{where} must be in (0, 1], got {partial}", path=source, fix=FIX)
     bias = text.get("attention_bias")
     max_pos = text.get("max_position_embeddings")
     tied = _tied(hf, text)
@@ -185,19 +207,19 @@ def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> Tex
         architectures=archs,
         hybrid=hybrid,
         hidden_size=hidden,
-        intermediate_size=number("intermediate_size"),
+        intermediate_size=intermediate,
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        vocab_size=number("vocab_size"),
+        vocab_size=vocab,
         tie_word_embeddings=tied,
         layer_types=tuple(str(t) for t in types),
         linear=linear,
         attn_output_gate=bool(text.get("attn_output_gate", hybrid)),
         attention_bias=None if bias is None else bool(bias),
         mlp_bias=bool(text.get("mlp_bias", False)),
-        rms_norm_eps=number("rms_norm_eps", float, 1e-6),
+        rms_norm_eps=eps,
         rope_theta=theta,
         rope_scaling=scaling,
         partial_rotary_factor=partial,

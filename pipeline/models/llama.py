@@ -30,6 +30,10 @@ ARCHITECTURES = {
 }
 
 
+# RoPE scaling types the dense decoder builds, with the fields each needs
+ROPE_SCALINGS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 @dataclass
 class DecoderConfig:
     """The subset of a HF config the dense decoder needs (plus runtime sizes)."""
@@ -84,6 +88,16 @@ class DecoderConfig:
             context_window_size=context_window_size or min(t.max_position_embeddings or 4096, 4096),
             prefill_chunk_size=prefill_chunk_size or 512,
         )
+        kind = t.rope_scaling.get("rope_type")
+        if kind is not None:   # TVM's RoPE frequencies support these (yarn needs MLC's precomputed scale; others none)
+            need = ROPE_SCALINGS.get(kind)
+            if need is None:
+                raise ConfigError(f"rope_scaling type {kind!r} is not supported by the dense decoder", path=source,
+                                  fix=f"use a model with default RoPE or one of: {', '.join(ROPE_SCALINGS)}")
+            bad = [k for k in need if not isinstance(t.rope_scaling.get(k), int | float) or t.rope_scaling[k] <= 0]
+            if bad:
+                raise ConfigError(f"rope_scaling ({kind}) needs positive numbers for {', '.join(bad)}", path=source,
+                                  fix="give the model's complete HF config.json")
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "

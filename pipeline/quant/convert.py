@@ -309,6 +309,15 @@ def _ternary_stats(stats: dict[str, float], w: np.ndarray, trits: np.ndarray, s1
         stats["scale_rounded"] = stats.get("scale_rounded", 0) + int((s16.astype(np.float64) != s64).sum())
 
 
+def _check_finite(ckpt: Any, name: str, arr: np.ndarray) -> None:
+    """A converted float tensor (weights, or the scales of quantized ones) must be finite: source weights beyond
+    float16's range (65504) become inf when stored as fp16 and would ship as a bundle that prints nothing."""
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise WeightsError(f"{name} is not finite once stored as {arr.dtype} (its weights exceed the range of "
+                           f"{arr.dtype}, largest finite value {np.finfo(arr.dtype).max:.6g}, or are not finite)",
+                           path=ckpt.path, fix="check the checkpoint's weights, or use a float32 scheme (q0f32)")
+
+
 def _convert_float(ckpt: Any, name: str, names: list[str], dtype: Any, want: tuple[int, ...],
                    block_bytes: int, on_bytes: Callable[[int], None] | None, rotate: int = 1) -> np.ndarray:
     """Cast the sources of `name` to `dtype` block by block into one preallocated array."""
@@ -381,6 +390,7 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
                                  on_bytes, rotate=rotate)
         if tuple(arr.shape) != shape:
             raise _mismatch(ckpt, name, shape, tuple(arr.shape))
+        _check_finite(ckpt, name, arr)
         if on_tensor:
             on_tensor(name, arr.nbytes)
         yield name, arr

@@ -175,8 +175,9 @@ def convert_weights(ckpt: Any, params: list[tuple[str, Any]], layout: str, final
             _swap_in(partial, final)
             drop_lock()
         except BaseException as err:
-            if isinstance(err, PipelineError):   # the inputs must change first, which changes the key
-                shutil.rmtree(partial, ignore_errors=True)
+            if isinstance(err, PipelineError):   # the inputs must change first, which changes the key:
+                shutil.rmtree(partial, ignore_errors=True)   # nothing to resume, so no partial folder or lock left
+                drop_lock()
             raise_if_disk_full(err, final, fix="free space and rerun the build: it resumes where it stopped")
             raise
     return final

@@ -55,7 +55,14 @@ class Bundle:
     def tokenizer(self):
         from transformers import AutoTokenizer  # local: the runtime path loads it only to chat
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        if not (self.path / "tokenizer.json").exists() and not (self.path / "tokenizer.model").exists():
+            raise PipelineError("the bundle has no tokenizer (its checkpoint had none)", path=self.path,
+                                fix="rebuild from a checkpoint folder that has tokenizer.json")
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except (ValueError, OSError) as err:
+            raise PipelineError(f"its tokenizer cannot be loaded ({str(err).splitlines()[0][:200]})", path=self.path,
+                                fix="rebuild from a checkpoint folder with a complete tokenizer") from None
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -84,6 +91,10 @@ def generate(bundle: Bundle, prompt: str, *, max_new_tokens: int = 128, temperat
     else:
         ids = tok.encode(prompt)
     ids = list(ids)
+    context = int(bundle.config.get("context_window_size") or 0)
+    if context and len(ids) >= context:
+        raise PipelineError(f"the prompt is {len(ids)} tokens; the bundle's context window is {context}",
+                            path=bundle.path, fix="shorten the prompt, or rebuild with a larger context_window_size")
     eos = set(bundle.config.get("eos_token_id") or [])
     if tok.eos_token_id is not None:
         eos.add(tok.eos_token_id)
