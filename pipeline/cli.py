@@ -86,8 +86,15 @@ def _release(args) -> int:
     return 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad option is one line like every other user error (argparse prints its whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} — fix: see {self.prog} --help\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    p = _OneLineParser(prog="python -m pipeline", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile a model into a bundle for a target")
     b.add_argument("--model", default="smollm2-135m", help="registry name (configs/models), a HF folder, a .gguf or an .onnx file")

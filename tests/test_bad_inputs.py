@@ -192,6 +192,21 @@ def _gguf_blocks(inputs: Inputs, work: Path) -> list[str]:
     return _build(path, work)
 
 
+def _config_list(folder: Path) -> Path:
+    (folder / "config.json").write_text("[1, 2, 3]")
+    return folder
+
+
+def _flipped_shard(inputs: Inputs, work: Path) -> list[str]:
+    bundle = work / "bundle"
+    shutil.copytree(inputs.bundle, bundle)
+    shard = sorted(bundle.glob("params_shard_*.bin"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return ["run", str(bundle), "--prompt", "hi"]
+
+
 def _run(extra: list[str]) -> Callable[[Inputs, Path], list[str]]:
     return lambda inputs, work: ["run", str(inputs.bundle), "--max-new-tokens", "2", *extra]
 
@@ -216,7 +231,16 @@ CASES = [
     _config_case("unknown architecture", "architecture", slow=True, architectures=["GPT2LMHeadModel"],
                  model_type="gpt2"),
     _config_case("hidden_size missing", "hidden_size", slow=True, hidden_size=_DELETE),
+    _config_case("zero KV heads", "num_key_value_heads", num_key_value_heads=0),
+    _config_case("zero intermediate size", "intermediate_size", intermediate_size=0),
+    _config_case("llama3 RoPE without its factors", "factor", slow=True,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0}),
+    _config_case("partial rotary factor 2", "partial_rotary_factor", slow=True, partial_rotary_factor=2.0),
+    _config_case("rms_norm_eps not a number", "rms_norm_eps", slow=True, rms_norm_eps="tiny"),
+    Case("config.json holds a list", lambda i, w: _build(_config_list(_hf(i, w)), w), "JSON object"),
     # the tensors themselves
+    _with(lambda f: _poke_weight(f, float("nan")), "not finite", "a NaN weight, calibrated scheme", quant="q4f16",
+          slow=True),
     _with(lambda f: _poke_weight(f, float("nan")), "not finite", "a NaN weight", "--calibration", "none",
           quant="q4f16"),
     _with(lambda f: _poke_weight(f, float("inf")), "not finite", "an infinite weight", slow=True),
@@ -235,6 +259,15 @@ CASES = [
     Case("--max-new-tokens -1", _run(["--prompt", "hi", "--max-new-tokens", "-1"]), "--max-new-tokens", slow=True),
     Case("a 100k-character prompt", _run(["--prompt", "word " * 20000]), "context", slow=True),
     Case("--top-p 0", _run(["--prompt", "hi", "--top-p", "0", "--temperature", "1"]), "--top-p", slow=True),
+    Case("unknown --phone", lambda i, w: _build(i.hf, w, "--phone", "nokia-3310"), "phone", slow=True),
+    Case("unknown --kv-cache", lambda i, w: _build(i.hf, w, "--kv-cache", "int3"), "--kv-cache", slow=True),
+    Case("--calibration names no file", lambda i, w: _build(i.hf, w, "--calibration", str(w / "nope.txt"),
+                                                             quant="q4f16"), "calibration", slow=True),
+    Case("run on a folder that is no bundle", lambda i, w: ["run", str(i.hf), "--prompt", "hi"], "not a bundle"),
+    Case("run on a bundle with a flipped shard byte", _flipped_shard, "sha256"),
+    Case("report on a folder that is no bundle", lambda i, w: ["report", str(i.hf)], "coverage", slow=True),
+    Case("release file that does not exist", lambda i, w: ["release", str(w / "none.yaml")], "none.yaml",
+         slow=True),
 ]
 
 
