@@ -148,11 +148,13 @@ def model_roots(folder: Path) -> list[Path]:
 def check_inside(folder: Path, file: Path, *, named_by: tuple[Path, str] | None = None) -> None:
     """Refuse, in one line, a file of the model folder that resolves (through a symlink, `..` or an absolute
     path) outside it: a model folder is a boundary, and nothing outside it is read, let alone quoted.
-    `named_by`: (index file, the name it gives) when the path comes from a shard index."""
+    `named_by`: (index file, the name it gives) when the path comes from a shard index: the index is blamed
+    when the name itself leaves the folder (`..`, an absolute path), the file when it is a symlink."""
     real = file.resolve()
     if any(real.is_relative_to(root) for root in model_roots(folder)):
         return
-    if named_by is not None:
+    lexical = Path(os.path.normpath(os.path.abspath(file)))
+    if named_by is not None and not lexical.is_relative_to(os.path.abspath(folder)):
         index, name = named_by
         raise WeightsError(f"names shard {name[:120]!r}, which resolves outside the model folder {folder}",
                            path=index, fix="name shards by their file names in the model folder")
