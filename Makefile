@@ -34,7 +34,7 @@ export TRANSFORMERS_OFFLINE := 1
 export MODEL TARGET QUANT OUT PHONE FORCE_CPU PROMPT RUN_TARGET RUN_QUANT MAX_NEW_TOKENS RPC TRIALS KERNELS \
        CALIB KV RELEASE RELEASE_OUT MATRIX BUNDLE
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead llamacpp release release-matrix
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash llamacpp release release-matrix
 
 setup: $(STAMP)
 
@@ -149,6 +149,11 @@ bench-decode-profile: $(STAMP)
 # (benchmarks/host_overhead.py).
 bench-host-overhead: $(STAMP)
 	$(PY) benchmarks/host_overhead.py "$$BUNDLE"
+
+# The weights' content key: sha256 + NaN / inf check over a few GB of synthetic bf16 safetensors, GB/s and the
+# time for a 54 GB checkpoint (benchmarks/hash_speed.py; HASH_ARGS="--gb 4 --dir /fast/disk").
+bench-hash: $(STAMP)
+	$(PY) benchmarks/hash_speed.py $(HASH_ARGS)
 
 clean:
 	rm -rf .cache dist/*/

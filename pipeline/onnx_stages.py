@@ -24,7 +24,15 @@ from tvm import relax, transform
 from tvm.relax.frontend.onnx import from_onnx, onnx_frontend
 
 from pipeline.artifacts.bundle import atomic_dir, file_sha256, tool_versions, write_manifest
-from pipeline.cache import cache_root, copy_file, digest, source_hash, tvm_versions
+from pipeline.cache import (
+    cache_root,
+    copy_file,
+    digest,
+    reusable_entry,
+    source_hash,
+    tvm_versions,
+    write_entry_manifest,
+)
 from pipeline.compiler.backend import backend_for
 from pipeline.compiler.compile import compile_library
 from pipeline.compiler.fuse import fusion_passes
@@ -135,8 +143,7 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
                   "rules": target.schedule_rules, "device": target.device, **backend.key_facts(),
                   "code": source_hash(), "versions": tvm_versions()})
     out = cache_root() / "lib" / key
-    if (out / "build.json").exists():
-        report.info(f"build: cache hit ({out.name})")
+    if reusable_entry(out, "build.json", "build", report):
         return out, json.loads((out / "build.json").read_text())
     with report.step(f"import {path.name} (ONNX)"):
         mod = import_onnx(path, act)
@@ -153,6 +160,7 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
         meta = {"model_type": "onnx", "source": path.name, "quantization": quant.name,
                 "activation_dtype": act, **signature}
         info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report)
+        write_entry_manifest(tmp)   # last: a later build reuses the entry only when it matches
     return out, info
 
 

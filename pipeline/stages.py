@@ -23,7 +23,16 @@ import tvm
 
 from pipeline.artifacts.bundle import atomic_dir, bundle_current, tool_versions, write_manifest
 from pipeline.artifacts.chat_config import chat_config
-from pipeline.cache import cache_root, copy_file, digest, source_hash, tvm_versions
+from pipeline.cache import (
+    ENTRY_MANIFEST,
+    cache_root,
+    copy_file,
+    digest,
+    reusable_entry,
+    source_hash,
+    tvm_versions,
+    write_entry_manifest,
+)
 from pipeline.compiler import force_cpu as forcing
 from pipeline.compiler.backend import backend_for
 from pipeline.compiler.compile import compile_library
@@ -41,7 +50,7 @@ from pipeline.config import (
     load_target,
 )
 from pipeline.errors import ConfigError, PipelineError, WeightsError
-from pipeline.frontend.checkpoint import open_checkpoint
+from pipeline.frontend.checkpoint import config_only, open_checkpoint
 from pipeline.frontend.hf_config import text_config
 from pipeline.frontend.validate import UNUSED_PREFIXES, check_against_checkpoint
 from pipeline.kernels.cpu import rope as cpu_rope
@@ -70,9 +79,16 @@ class Loaded:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
-def load(spec: ModelSpec) -> Loaded:
-    ckpt = open_checkpoint(spec.weights) if spec.weights is not None else None
-    hf = spec.hf_config or (ckpt.config if ckpt else None)
+def load(spec: ModelSpec, report: Reporter | None = None) -> Loaded:
+    """Open the checkpoint and read its every byte once (remembered per file, see cache.remembered): the
+    weights' content key, and NaN / inf refused before any work. A HF folder with a config.json and no
+    weight files is a config-only build, like a registry model without weights."""
+    bare = config_only(spec.weights) if spec.weights is not None and spec.hf_config is None else None
+    ckpt = open_checkpoint(spec.weights) if spec.weights is not None and bare is None else None
+    if bare is not None and report is not None:
+        report.info(f"load: {spec.weights} has a config.json and no weight files: building the library and "
+                    "configs alone (the bundle says so in NO_WEIGHTS.txt)")
+    hf = spec.hf_config or bare or (ckpt.config if ckpt else None)
     if hf is None:
         raise PipelineError("no config and no weights", path=spec.path, fix="give --weights DIR")
     source = str(spec.path or spec.weights)
@@ -81,6 +97,7 @@ def load(spec: ModelSpec) -> Loaded:
     if ckpt is not None:   # before any stage: a config that disagrees with its tensors is one line, not a late crash
         config_file = spec.path if spec.hf_config else ckpt.path / "config.json" if ckpt.path.is_dir() else ckpt.path
         check_against_checkpoint(text_config(hf, source=config_file), ckpt, config_file)
+        ckpt.fingerprint()   # after the cheap checks: reads every byte (once per file, then remembered)
     return Loaded(spec, hf, decoder, ckpt, ckpt.generation_config if ckpt else {})
 
 
@@ -157,8 +174,7 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
         report.info(f"[yellow]warning:[/] {quant.name}: post-training ternarisation of an ordinary model loses "
                     "quality (Llama-3-8B at 1.88 bpw: perplexity 6.77 -> 69.6); for real use import a natively "
                     "ternary checkpoint (--quant ternary)")
-    if (out / "tensor-cache.json").exists():
-        report.info(f"quantize: cache hit ({out.name})")
+    if reusable_entry(out, "tensor-cache.json", "quantize", report):
         return out
     stats: dict[str, float] = {}
     with _calibration(loaded, calib, report, calibration) as calibration:
@@ -256,8 +272,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
                    "formats": dict(quant.formats), "ternary_source": quant.ternary_source,
                    **({"rotation": quant.rotation} if quant.rotation else {}), **backend.key_facts()})
     out = cache_root() / "lib" / key
-    if (out / "build.json").exists():
-        report.info(f"build: cache hit ({out.name})")
+    if reusable_entry(out, "build.json", "build", report):
         return out, json.loads((out / "build.json").read_text())
     prefix = f"{loaded.decoder.family}_{quant.name}_"
     with atomic_dir(out) as tmp:
@@ -281,6 +296,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
             coverage["cpu_regions"] = regions
         write_coverage(coverage, tmp)
         info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report)
+        write_entry_manifest(tmp)   # last: a later build reuses the entry only when it matches
     return out, info
 
 
@@ -318,7 +334,8 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         write_coverage_html(tmp / "reports")   # reports/coverage.html: coverage + memory plan, self-contained
         if weights is not None:
             for f in sorted(weights.iterdir()):
-                copy_file(f, tmp / f.name)
+                if f.name != ENTRY_MANIFEST:   # the cache's own record, not part of the bundle
+                    copy_file(f, tmp / f.name)
         tokenizer_files = []
         if loaded.checkpoint:
             try:
@@ -330,7 +347,8 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         if weights is None:
             (tmp / "NO_WEIGHTS.txt").write_text(
                 "Built from the model config alone: the library and configs are here, the weights are not.\n"
-                "Rebuild with --weights DIR (a HF safetensors folder) to add tensor-cache.json + shards.\n")
+                "Rebuild with the weights (*.safetensors beside config.json, or --weights DIR) to add "
+                "tensor-cache.json + shards.\n")
         write_manifest(tmp, build_key=build_key, tool_versions=tool_versions(),
                        extra={"model": loaded.spec.name, "quantization": quant.name, "target": target.name,
                               "library": f"lib/{build_info['library']}", "has_weights": weights is not None,
@@ -382,14 +400,16 @@ class BuildResult:
 def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
     """A cheap key over a build's inputs, checked before anything is loaded or imported.
 
-    Weights enter by path, size and mtime (like make); configs and code by content. When it matches the
-    bundle's manifest and every file is intact, the build is a no-op that takes about a second.
+    Weights enter by path, size, mtime, ctime and inode (any write moves ctime, even one that puts size
+    and mtime back, e.g. `cp -p` over a file); configs and code by content. When it matches the bundle's
+    manifest and every file is intact, the build is a no-op that takes about a second.
     """
     def stat(path: Path | None):
         if path is None or not path.exists():
             return None
         files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-        return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        return [(f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                for f in files for st in [f.stat()]]
 
     def text(path: Path | None):
         return path.read_text() if path else None
@@ -459,7 +479,7 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
         bundle = emit_graph(model_spec, quant_spec, target_spec, lib_dir, info, Path(out), req)
         return BuildResult(bundle, time.time() - t0, report.all_cached, True)
     with report.step(f"load {model_spec.name}"):
-        loaded = load(model_spec)
+        loaded = load(model_spec, report)
     extra_reports: dict[str, str] = {}
     with _calibration(loaded, quant_spec.calibration_spec, report) as calibration:
         if quant_spec.auto_context:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import shutil
 import struct
 import sys
@@ -14,11 +15,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+import pipeline.frontend.checkpoint_base as base
 from pipeline.errors import ConfigError, PipelineError, WeightsError
-from pipeline.frontend.checkpoint import Checkpoint, open_checkpoint, smollm2_gguf_path
+from pipeline.frontend.checkpoint import Checkpoint, config_only, open_checkpoint, smollm2_gguf_path
 
 # ------------------------------------------------------------------------------------------------------------
 # helpers
@@ -176,7 +179,7 @@ def test_hf_without_tokenizer_files(tmp_path):
     assert str(tmp_path) in error_text(exc)
 
 
-def test_fingerprint_is_cheap_identity(tmp_path):
+def test_fingerprint_is_content_identity(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     tiny_model("llama").save_pretrained(a, max_shard_size="40KB")
     shutil.copytree(a, b)
@@ -486,3 +489,150 @@ def test_smollm2_write_tokenizer(smol, tmp_path):
     assert tok.get_vocab_size() == 49152
     assert tok.token_to_id("<|im_start|>") == smol.config["bos_token_id"]
     assert tok.token_to_id("<|im_end|>") == 2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the fingerprint reads every byte; NaN / inf refused; the model folder is a boundary
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _flip_middle_weight(shard: Path) -> None:
+    """Change one float32 weight well inside the data (a sampled hash would miss it); same size."""
+    n, header = read_st_header(shard)
+    entry = max((v for k, v in header.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][1])
+    at = 8 + n + (entry["data_offsets"][0] + entry["data_offsets"][1]) // 2 // 4 * 4
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        old = np.frombuffer(f.read(4), np.float32)[0]
+        f.seek(at)
+        f.write(np.float32(old + 1.0).tobytes())
+
+
+def _poke(shard: Path, value: float, dtype: str = "F32") -> str:
+    """Set one element of the first `dtype` tensor of `shard` to `value`; returns the tensor's name."""
+    n, header = read_st_header(shard)
+    name, entry = next((k, v) for k, v in header.items() if k != "__metadata__" and v["dtype"] == dtype)
+    raw = {"F32": np.float32(value).tobytes(), "F16": np.float16(value).tobytes(), "F64": np.float64(value).tobytes(),
+           "BF16": np.float32(value).tobytes()[2:]}[dtype]
+    with open(shard, "r+b") as f:
+        f.seek(8 + n + entry["data_offsets"][0] + 3 * len(raw))
+        f.write(raw)
+    return name
+
+
+def test_fingerprint_covers_every_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr("pipeline.cache.RACY_S", 0.0)
+    a, b = tmp_path / "a", tmp_path / "b"
+    tiny_model("llama").save_pretrained(a, max_shard_size="40KB")
+    shutil.copytree(a, b)
+    fp = open_checkpoint(a).fingerprint()
+    _flip_middle_weight(sorted(b.glob("*.safetensors"))[0])
+    assert open_checkpoint(b).fingerprint() != fp
+
+
+@pytest.mark.parametrize("dtype,value", [("F32", float("nan")), ("F32", float("inf")), ("BF16", float("nan")),
+                                         ("F16", float("-inf")), ("F64", float("nan"))])
+def test_nonfinite_weight_is_refused(tmp_path, dtype, value):
+    torch_dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}[dtype]
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"a.weight": torch.ones(8, 8, dtype=torch_dtype), "b.weight": torch.ones(16, 8, dtype=torch_dtype),
+               "ids": torch.arange(4, dtype=torch.int32)}, str(tmp_path / "model.safetensors"))
+    open_checkpoint(tmp_path).fingerprint()
+    name = _poke(tmp_path / "model.safetensors", value, dtype)
+    with pytest.raises(WeightsError) as exc:
+        open_checkpoint(tmp_path).fingerprint()
+    text = error_text(exc)
+    kind = "NaN" if np.isnan(value) else "inf"
+    assert f"tensor {name!r} is not finite (it holds {kind})" in text and "model.safetensors" in text
+
+
+def test_nonfinite_gguf_tensor_is_refused(tmp_path):
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    write_gguf(model, tmp_path / "m.gguf", "llama")
+    with pytest.raises(WeightsError) as exc:
+        open_checkpoint(tmp_path / "m.gguf").fingerprint()
+    assert "'blk.1.ffn_down.weight' is not finite (it holds NaN)" in error_text(exc)
+
+
+def test_file_hashes_are_remembered_by_identity(tmp_path, monkeypatch):
+    """An unchanged file is read once; one changed in place with its size and mtime put back is read again
+    (its ctime moved), and so is a verdict: the NaN is found, not a remembered clean hash."""
+    monkeypatch.setattr("pipeline.cache.RACY_S", 0.0)
+    reads: list[Path] = []
+    stream = base.stream_file
+    monkeypatch.setattr(base, "stream_file", lambda path, *a, **k: (reads.append(Path(path)), stream(path, *a, **k)))
+    tiny_model("llama").save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    fp = open_checkpoint(tmp_path).fingerprint()
+    assert sorted(reads) == shards
+    reads.clear()
+    assert open_checkpoint(tmp_path).fingerprint() == fp and reads == []    # remembered
+
+    shard = shards[0]
+    st = shard.stat()
+    _flip_middle_weight(shard)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_size == st.st_size and shard.stat().st_mtime_ns == st.st_mtime_ns
+    assert open_checkpoint(tmp_path).fingerprint() != fp and reads == [shard]
+
+    name = _poke(shard, float("nan"))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(WeightsError, match=f"tensor '{name}' is not finite"):
+        open_checkpoint(tmp_path).fingerprint()
+
+
+def test_symlinks_out_of_the_model_folder_are_refused(tmp_path):
+    good = tmp_path / "good"
+    tiny_model("llama").save_pretrained(good, max_shard_size="40KB")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0:do-not-print-me\n")
+
+    tok = shutil.copytree(good, tmp_path / "tok")
+    (tok / "tokenizer.json").symlink_to(secret)
+    shard = shutil.copytree(good, tmp_path / "shard")
+    first = sorted(shard.glob("*.safetensors"))[0]
+    shutil.move(first, tmp_path / "elsewhere.safetensors")
+    first.symlink_to(tmp_path / "elsewhere.safetensors")
+    for folder, culprit in ((tok, "tokenizer.json"), (shard, f"{first.name}: resolves outside")):
+        with pytest.raises(WeightsError) as exc:
+            open_checkpoint(folder)
+        text = error_text(exc)
+        assert "resolves outside the model folder" in text and culprit in text and "do-not-print" not in text
+
+    for target in ("../../../../../../etc/passwd", str(secret), "../secret.txt"):
+        index = shutil.copytree(good, tmp_path / f"index{len(target)}")
+        data = json.loads((index / "model.safetensors.index.json").read_text())
+        data["weight_map"][next(iter(data["weight_map"]))] = target
+        (index / "model.safetensors.index.json").write_text(json.dumps(data))
+        with pytest.raises(WeightsError) as exc:
+            open_checkpoint(index)
+        text = error_text(exc)
+        assert "resolves outside the model folder" in text and "model.safetensors.index.json" in text
+        assert "do-not-print" not in text and "root:" not in text and "header length" not in text
+
+
+def test_hub_snapshot_links_into_its_blobs(tmp_path):
+    """A Hugging Face hub cache's snapshot links every file into the repo's blobs/: that is allowed."""
+    src = tmp_path / "src"
+    tiny_model("llama").save_pretrained(src, max_shard_size="40KB")
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        shutil.copyfile(f, repo / "blobs" / f"blob{i}")
+        (snap / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    ckpt = open_checkpoint(snap)
+    assert len(ckpt.fingerprint()) == 64 and ckpt.names() == open_checkpoint(src).names()
+    (snap / "tokenizer.json").symlink_to(tmp_path / "src" / "config.json")   # outside the hub repo
+    with pytest.raises(WeightsError, match="resolves outside the model folder"):
+        open_checkpoint(snap)
+
+
+def test_config_only_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert config_only(tmp_path) == {"model_type": "llama"}
+    (tmp_path / "model.bin").write_bytes(b"pickle")
+    assert config_only(tmp_path) is None         # a pickle is refused by open_checkpoint, not skipped

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import WeightsError
-from pipeline.frontend.checkpoint_base import Checkpoint
+from pipeline.frontend.checkpoint_base import Checkpoint, check_inside
 from pipeline.frontend.gguf_file import GGUFCheckpoint
 from pipeline.frontend.safetensors_folder import SafetensorsCheckpoint
 
-__all__ = ["Checkpoint", "open_checkpoint", "smollm2_gguf_path"]
+__all__ = ["Checkpoint", "config_only", "open_checkpoint", "smollm2_gguf_path"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 PICKLE_FIX = ("convert it to safetensors, e.g. load it with transformers and call "
@@ -41,6 +42,21 @@ def _refuse_pickle(path: Path, files: list[Path] | None = None) -> WeightsError:
         f"holds only pickle checkpoints ({', '.join(p.name for p in files[:3])})"
     return WeightsError(f"{what}, which is refused because loading a pickle can execute arbitrary code",
                         path=path, fix=PICKLE_FIX)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The files in `folder` that could be weights (safetensors, an index, GGUF, pickles)."""
+    return [p for p in folder.iterdir() if p.is_file() and (
+        p.name.endswith((".safetensors", ".safetensors.index.json")) or p.suffix.lower() in (".gguf", *PICKLE_SUFFIXES))]
+
+
+def config_only(path: str | Path) -> dict[str, Any] | None:
+    """The config of a HF folder that has a config.json and no weight files at all (a config-only build:
+    the library and configs, no weights), else None."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir() or _weight_files(folder) or not (folder / "config.json").is_file():
+        return None
+    return SafetensorsCheckpoint.load_config(folder)
 
 
 def _open_folder(folder: Path) -> Checkpoint:
@@ -59,6 +75,7 @@ def _open_folder(folder: Path) -> Checkpoint:
     if safetensors:
         return SafetensorsCheckpoint(folder, safetensors, None)
     if len(ggufs) == 1:
+        check_inside(folder, ggufs[0])
         return GGUFCheckpoint(ggufs[0], given=folder)
     if ggufs:
         raise WeightsError(f"holds {len(ggufs)} GGUF files ({', '.join(p.name for p in ggufs[:4])})",

@@ -8,13 +8,18 @@ that the formats can import it without an import cycle.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from pipeline.cache import digest, remembered, stream_file
 from pipeline.errors import WeightsError
 
 REDOWNLOAD = "re-download it"
@@ -32,8 +37,6 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "tokenizer.model",
 )
-
-_SAMPLE = 64 * 1024  # bytes per data sample hashed by fingerprint()
 
 
 def one_line(err: BaseException | str) -> str:
@@ -53,17 +56,109 @@ def row_range(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, int]:
     return start, max(start, stop)
 
 
-def hash_file(h: Any, file: Path, head_end: int, data_end: int) -> None:
-    """Feed the file's name, size, header bytes and three data samples (start, middle, end) into `h`."""
-    size = file.stat().st_size
-    h.update(f"{file.name}\0{size}\0".encode())
-    with open(file, "rb") as f:
-        h.update(f.read(head_end))
-        span = max(0, min(data_end, size) - head_end)
-        starts = sorted({head_end, head_end + max(0, span - _SAMPLE) // 2, head_end + max(0, span - _SAMPLE)})
-        for start in starts:
-            f.seek(start)
-            h.update(f.read(min(_SAMPLE, span)))
+# float dtypes checked for NaN / inf on their raw bits: (unsigned view, exponent all ones with the sign cleared)
+NONFINITE_BITS: dict[str, tuple[np.dtype, int]] = {
+    "float16": (np.dtype("<u2"), 0x7C00),
+    "bfloat16": (np.dtype("<u2"), 0x7F80),
+    "float32": (np.dtype("<u4"), 0x7F800000),
+    "float64": (np.dtype("<u8"), 0x7FF0000000000000),
+}
+FINGERPRINT_WORKERS = 4   # files hashed at once (hashlib and numpy release the GIL)
+
+
+class FloatSpan(NamedTuple):
+    """A floating-point tensor's bytes in a weight file, checked for NaN / inf while the file is hashed."""
+
+    name: str
+    dtype: str     # a NONFINITE_BITS key
+    start: int     # absolute file offsets [start, end)
+    end: int
+
+
+def _nonfinite(view: memoryview, dtype: str) -> str | None:
+    """"NaN" / "inf" when the little-endian elements in `view` hold one, else None (no float conversion)."""
+    kind, limit = NONFINITE_BITS[dtype]
+    bits = np.frombuffer(view, dtype=kind)
+    if not len(bits):
+        return None
+    magnitude = np.bitwise_and(bits, kind.type(limit | (limit - 1)))   # sign bit cleared
+    top = int(magnitude.max())
+    if top < limit:
+        return None
+    return "NaN" if top > limit else "inf"
+
+
+def content_hash(file: Path, spans: Sequence[FloatSpan]) -> str:
+    """sha256 of the file's whole content; every span is checked finite in the same pass. Both are
+    remembered under the file's identity (cache.remembered), so an unchanged file is read once.
+
+    Raises WeightsError naming the tensor and the file when one holds NaN or inf.
+    """
+    def compute() -> dict[str, Any]:
+        h = hashlib.sha256()
+        bad: list[Any] = []
+
+        def visit(i: int, view: memoryview) -> None:
+            if not bad:
+                what = _nonfinite(view, spans[i].dtype)
+                if what:
+                    bad.append([spans[i].name, what])
+        try:
+            stream_file(file, h, [(s.start, s.end) for s in spans], visit)
+        except OSError as err:
+            raise WeightsError(f"cannot be read ({one_line(err)})", path=file, fix=REDOWNLOAD) from None
+        return {"sha256": h.hexdigest(), "nonfinite": bad[0] if bad else None}
+
+    what = "sha256+finite v1 " + digest([list(s) for s in spans])
+    result = remembered(file, what, compute)
+    if result["nonfinite"]:
+        name, kind = result["nonfinite"]
+        raise WeightsError(f"tensor {name!r} is not finite (it holds {kind})", path=file,
+                           fix="use a checkpoint without NaN / inf weights: re-download it, or re-export it "
+                               "from a training run that did not diverge")
+    return result["sha256"]
+
+
+def files_fingerprint(tag: str, files: dict[Path, Sequence[FloatSpan]]) -> str:
+    """A checkpoint's identity: every file's name, size and full content hash (files hashed in parallel)."""
+    ordered = sorted(files, key=lambda p: p.name)
+    with ThreadPoolExecutor(max_workers=min(FINGERPRINT_WORKERS, os.cpu_count() or 1)) as pool:
+        hashes = list(pool.map(lambda f: content_hash(f, files[f]), ordered))
+    h = hashlib.sha256(f"mobile-llm checkpoint fingerprint v2 {tag}\0".encode())
+    for file, sha in zip(ordered, hashes, strict=True):
+        h.update(f"{file.name}\0{file.stat().st_size}\0{sha}\0".encode())
+    return h.hexdigest()
+
+
+INSIDE_FIX = ("copy the file itself into the model folder (a Hugging Face hub snapshot may link into its own "
+              "blobs/ folder, nowhere else)")
+
+
+def model_roots(folder: Path) -> list[Path]:
+    """Where the files of a model folder may resolve to: the folder itself and, for a snapshot of a Hugging Face
+    hub cache (.../models--org--name/snapshots/<revision>/, whose files link to ../../blobs/), that blobs/."""
+    root = folder.resolve()
+    roots = [root]
+    blobs = root.parent.parent / "blobs"
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--") and blobs.is_dir():
+        roots.append(blobs.resolve())
+    return roots
+
+
+def check_inside(folder: Path, file: Path, *, named_by: tuple[Path, str] | None = None) -> None:
+    """Refuse, in one line, a file of the model folder that resolves (through a symlink, `..` or an absolute
+    path) outside it: a model folder is a boundary, and nothing outside it is read, let alone quoted.
+    `named_by`: (index file, the name it gives) when the path comes from a shard index: the index is blamed
+    when the name itself leaves the folder (`..`, an absolute path), the file when it is a symlink."""
+    real = file.resolve()
+    if any(real.is_relative_to(root) for root in model_roots(folder)):
+        return
+    lexical = Path(os.path.normpath(os.path.abspath(file)))
+    if named_by is not None and not lexical.is_relative_to(os.path.abspath(folder)):
+        index, name = named_by
+        raise WeightsError(f"names shard {name[:120]!r}, which resolves outside the model folder {folder}",
+                           path=index, fix="name shards by their file names in the model folder")
+    raise WeightsError(f"resolves outside the model folder (to {str(real)[:200]})", path=file, fix=INSIDE_FIX)
 
 
 class Checkpoint:
@@ -75,6 +170,7 @@ class Checkpoint:
         self.path = path
         self.config = config
         self.generation_config = generation_config
+        self._fingerprint: str | None = None   # computed once: it reads every byte of the weights
 
     # -- implemented by the two formats ------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -99,6 +195,8 @@ class Checkpoint:
         return np.array(arr[start:stop], dtype=np.float32, order="C")
 
     def fingerprint(self) -> str:
+        """The weights' identity for cache keys: their full content (see `files_fingerprint`); computing
+        it checks that every float tensor is finite, so a NaN weight is refused here (once per file)."""
         raise NotImplementedError
 
     def write_tokenizer(self, dest: Path) -> list[str]:

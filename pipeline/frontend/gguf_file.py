@@ -8,7 +8,6 @@ tensors laid out exactly as in the HF original.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -20,10 +19,12 @@ from gguf.quants import dequantize
 
 from pipeline.errors import ConfigError, WeightsError
 from pipeline.frontend.checkpoint_base import (
+    NONFINITE_BITS,
     REDOWNLOAD,
     Checkpoint,
+    FloatSpan,
     build_tokenizer,
-    hash_file,
+    files_fingerprint,
     natural_key,
     one_line,
     row_range,
@@ -328,9 +329,12 @@ class GGUFCheckpoint(Checkpoint):
         return np.array(arr, dtype=np.float32, order="C").reshape((stop - start, *shape[1:]))
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256(b"mobile-llm checkpoint fingerprint v1 gguf\0")
-        hash_file(h, self._file, int(self._reader.data_offset), self._file.stat().st_size)
-        return h.hexdigest()
+        if self._fingerprint is None:
+            spans = [FloatSpan(t.name, _GGUF_PLAIN[t.tensor_type.name], int(t.data_offset),
+                               int(t.data_offset) + int(t.n_bytes))
+                     for t in self._reader.tensors if _GGUF_PLAIN.get(t.tensor_type.name) in NONFINITE_BITS]
+            self._fingerprint = files_fingerprint("gguf", {self._file: spans})
+        return self._fingerprint
 
     def total_bytes(self) -> int:
         return self._file.stat().st_size

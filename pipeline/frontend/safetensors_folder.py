@@ -7,7 +7,6 @@ truncated shard, a missing shard or a header whose shapes do not match its byte 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -20,11 +19,14 @@ from safetensors import safe_open
 
 from pipeline.errors import ConfigError, WeightsError
 from pipeline.frontend.checkpoint_base import (
+    NONFINITE_BITS,
     REDOWNLOAD,
     TOKENIZER_FILES,
     Checkpoint,
+    FloatSpan,
     build_tokenizer,
-    hash_file,
+    check_inside,
+    files_fingerprint,
     natural_key,
     one_line,
     row_range,
@@ -105,7 +107,7 @@ def _read_safetensors_header(file: Path) -> _STHeader:
             raise WeightsError(f"truncated: expected at least 8 bytes, file has {size}", path=file, fix=REDOWNLOAD)
         (length,) = struct.unpack("<Q", prefix)
         if length > _MAX_HEADER:
-            raise WeightsError(f"not a safetensors file (header length {length} is implausible)",
+            raise WeightsError("not a safetensors file (its first 8 bytes are not a plausible header length)",
                                path=file, fix=REDOWNLOAD)
         if 8 + length > size:
             raise WeightsError(f"truncated: expected at least {8 + length} bytes for the header, file has {size}",
@@ -113,8 +115,11 @@ def _read_safetensors_header(file: Path) -> _STHeader:
         raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WeightsError(f"safetensors header is not valid JSON ({one_line(err)})",
+    except UnicodeDecodeError as err:   # its reason, never the bytes: the file may not be a model file at all
+        raise WeightsError(f"safetensors header is not UTF-8 text ({err.reason} at byte {8 + err.start})",
+                           path=file, fix=REDOWNLOAD) from None
+    except json.JSONDecodeError as err:
+        raise WeightsError(f"safetensors header is not valid JSON ({err.msg} at character {err.pos})",
                            path=file, fix=REDOWNLOAD) from None
     if not isinstance(header, dict):
         raise WeightsError("safetensors header is not a JSON object", path=file, fix=REDOWNLOAD)
@@ -168,7 +173,9 @@ class SafetensorsCheckpoint(Checkpoint):
     format = "safetensors"
 
     def __init__(self, folder: Path, files: list[Path], index: Path | None):
-        config = self._load_config(folder)
+        if index is not None:
+            check_inside(folder, index)
+        config = self.load_config(folder)
         gen_file = folder / "generation_config.json"
         generation = (_read_json(gen_file, ConfigError, "fix or delete generation_config.json")
                       if gen_file.is_file() else {})
@@ -184,11 +191,15 @@ class SafetensorsCheckpoint(Checkpoint):
             files = []
             for shard in sorted(set(map(str, weight_map.values()))):
                 file = folder / shard
+                check_inside(folder, file, named_by=(index, shard))
                 if not file.is_file():
                     raise WeightsError(f"shard {shard} is missing (it is named in this index)",
                                        path=index, fix=f"{REDOWNLOAD} ({shard}), or the whole folder")
                 files.append(file)
 
+        for file in [*files, *(folder / n for n in (*TOKENIZER_FILES, "generation_config.json")
+                               if (folder / n).exists())]:
+            check_inside(folder, file)
         self._files = files
         self._headers: dict[Path, _STHeader] = {}
         entries: dict[str, _STEntry] = {}
@@ -209,11 +220,12 @@ class SafetensorsCheckpoint(Checkpoint):
         self._entries = {name: entries[name] for name in sorted(entries, key=natural_key)}
 
     @staticmethod
-    def _load_config(folder: Path) -> dict[str, Any]:
+    def load_config(folder: Path) -> dict[str, Any]:
         file = folder / "config.json"
         fix = "copy config.json from the model's Hugging Face repo into the folder"
         if not file.is_file():
             raise ConfigError("is missing", path=file, fix=fix)
+        check_inside(folder, file)
         return _read_json(file, ConfigError, fix)
 
     def _entry(self, name: str) -> _STEntry:
@@ -288,11 +300,15 @@ class SafetensorsCheckpoint(Checkpoint):
         return arr.reshape((stop - start, *entry.shape[1:]))
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256(b"mobile-llm checkpoint fingerprint v1 safetensors\0")
-        for file in sorted(self._files, key=lambda p: p.name):
-            header = self._headers[file]
-            hash_file(h, file, header.header_end, header.data_end)
-        return h.hexdigest()
+        if self._fingerprint is None:
+            spans: dict[Path, list[FloatSpan]] = {file: [] for file in self._files}
+            for name, e in self._entries.items():
+                dtype = _ST_DTYPES[e.code][0]
+                if dtype in NONFINITE_BITS:
+                    nbytes = math.prod(e.shape) * _ST_DTYPES[e.code][1] // 8
+                    spans[e.file].append(FloatSpan(name, dtype, e.offset, e.offset + nbytes))
+            self._fingerprint = files_fingerprint("safetensors", spans)
+        return self._fingerprint
 
     def total_bytes(self) -> int:
         return sum(file.stat().st_size for file in self._files)

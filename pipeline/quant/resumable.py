@@ -5,9 +5,10 @@ shard is finished, the shard files are fsynced and a small journal (`journal.jso
 records the writer's state: the finished shards (size, md5, records), the open shard's records and length,
 the next shard index. A rerun of the same build validates the journal against the files, skips the
 tensors already written (without reading or quantizing them), cuts the open shard back to its recorded
-length and carries on; at the end the journal is removed and `K.partial/` is renamed to `K/`. Because
-the writer's packing is a pure function of the tensor sequence, the result is byte-identical to an
-uninterrupted run. A journal that is unreadable or does not match is dropped with a one-line note and
+length and carries on; at the end the journal is removed, a manifest of the files' sizes and sha256 is
+written (cache.write_entry_manifest: a later build reuses `K/` only when it matches) and `K.partial/` is
+renamed to `K/`. Because the writer's packing is a pure function of the tensor sequence, the result is
+byte-identical to an uninterrupted run. A journal that is unreadable or does not match is dropped with a one-line note and
 the conversion starts over. A lock file (`K.lock`) keeps two builds from writing the same directory.
 
 `MLP_FAIL_AFTER_SHARDS=N` (for tests) makes the process exit at once (`os._exit(99)`) right after the
@@ -29,6 +30,7 @@ import numpy as np
 
 from pipeline.artifacts.bundle import _swap_in, raise_if_disk_full
 from pipeline.artifacts.tensor_cache import DEFAULT_SHARD_CAP, INDEX, ResumeError, TensorCacheWriter
+from pipeline.cache import ENTRY_MANIFEST, reusable_entry, write_entry_manifest
 from pipeline.errors import PipelineError
 from pipeline.quant.convert import iter_converted
 
@@ -127,8 +129,7 @@ def convert_weights(ckpt: Any, params: list[tuple[str, Any]], layout: str, final
     final.parent.mkdir(parents=True, exist_ok=True)
     fail_after = int(os.environ.get(FAIL_ENV) or 0)
     with _locked(final, report) as drop_lock:
-        if (final / INDEX).exists():          # another build finished it while we waited
-            report.info(f"quantize: cache hit ({final.name})")
+        if reusable_entry(final, INDEX, "quantize", report):   # another build finished it while we waited
             return final
         partial = partial_dir(final)
         journal = partial / JOURNAL
@@ -170,7 +171,9 @@ def convert_weights(ckpt: Any, params: list[tuple[str, Any]], layout: str, final
             for entry in partial.iterdir():
                 if entry.name not in keep:
                     entry.unlink()
+            write_entry_manifest(partial)   # last: what a later build checks the entry against
             _fsync_path(partial / INDEX)
+            _fsync_path(partial / ENTRY_MANIFEST)
             _fsync_path(partial)
             _swap_in(partial, final)
             drop_lock()
