@@ -154,7 +154,7 @@ def build_graph(spec: ModelSpec, quant: QuantSpec, target: TargetSpec, report) -
             mod = fuse_graph(mod, tvm_target)
         with report.step(backend.tune_step):
             mod, schedules = backend.schedule(mod)
-        schedules = backend.place(mod, schedules, vocab_size=-1)   # no lm_head in a graph
+        schedules = backend.place(mod, schedules, vocab_size=-1, report=report)   # no lm_head in a graph
         coverage = coverage_report(mod, schedules, target, phase_funcs=PHASE_FUNCS, phase_note=PHASE_NOTE)
         write_coverage(coverage, tmp)
         meta = {"model_type": "onnx", "source": path.name, "quantization": quant.name,

@@ -281,7 +281,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         unscheduled = {gv.name_hint: f for gv, f in mod.functions_items()}
         with report.step(backend.tune_step):
             mod, schedules = tune(mod, target)
-        schedules = backend.place(mod, schedules, loaded.decoder.vocab_size)
+        schedules = backend.place(mod, schedules, loaded.decoder.vocab_size, report)
         mod, schedules = forcing.apply(mod, unscheduled, schedules, forced, target)
         if forced:
             n = sum(1 for s in schedules if s.rule == "forced-cpu")

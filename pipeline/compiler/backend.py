@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import tvm
+from rich.markup import escape
 from tvm import relax
 
 from pipeline.compiler.schedule import KernelSchedule, schedule_module
 from pipeline.config import TargetSpec
 from pipeline.kernels.cpu.probe import build_threads
 from pipeline.kernels.cpu.regions import merge_regions
-from pipeline.kernels.npu.hexagon import build_npu_library, partition
+from pipeline.kernels.npu.hexagon import build_npu_library, partition, placement_lines
 from pipeline.progress import Reporter
 
 
@@ -40,7 +41,8 @@ class Backend:
     def schedule(self, mod: tvm.IRModule, tuned: dict | None = None) -> tuple[tvm.IRModule, list[KernelSchedule]]:
         return schedule_module(mod, self.spec.tvm(), self.spec.schedule_rules, self.spec.device, tuned)
 
-    def place(self, mod: tvm.IRModule, schedules: list[KernelSchedule], vocab_size: int) -> list[KernelSchedule]:
+    def place(self, mod: tvm.IRModule, schedules: list[KernelSchedule], vocab_size: int,
+              report: Reporter | None = None) -> list[KernelSchedule]:
         """Kernels moved to a second device after scheduling (the NPU's share); none here."""
         return schedules
 
@@ -78,8 +80,13 @@ class NpuBackend(Backend):
 
     kind = "npu"
 
-    def place(self, mod: tvm.IRModule, schedules: list[KernelSchedule], vocab_size: int) -> list[KernelSchedule]:
-        return partition(mod, schedules, self.spec.npu, vocab_size)
+    def place(self, mod: tvm.IRModule, schedules: list[KernelSchedule], vocab_size: int,
+              report: Reporter | None = None) -> list[KernelSchedule]:
+        """The NPU's share, from the HVX code each candidate compiles to; one output line per candidate."""
+        placed = partition(mod, schedules, self.spec.npu, vocab_size)
+        for line in placement_lines(placed) if report is not None else ():
+            report.info(escape(f"hvx: {line}"))
+        return placed
 
     def finish(self, mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Any] | None]:
         return mod, None
@@ -87,7 +94,11 @@ class NpuBackend(Backend):
     def extra_libraries(self, mod: tvm.IRModule, schedules: list[KernelSchedule], prefix: str, out_dir: Path,
                         report: Reporter) -> dict[str, str]:
         with report.step(f"compile NPU kernels ({self.spec.npu.get('name', 'npu')})"):
-            return {"npu_library": build_npu_library(mod, schedules, self.spec.npu, prefix, out_dir).name}
+            path = build_npu_library(mod, schedules, self.spec.npu, prefix, out_dir)
+        if path is None:
+            report.info("hvx: no kernel compiled to HVX code: no NPU library, the CPU library runs every kernel")
+            return {}
+        return {"npu_library": path.name}
 
 
 def backend_for(spec: TargetSpec) -> Backend:

@@ -124,7 +124,9 @@ def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], backen
                             system_lib=target.system_lib, prefix=prefix, out_dir=tmp)
     info = {"library": lib.name, "system_lib_prefix": prefix, "metadata": meta, "key": key,
             "kernels": [{"name": s.name, "rule": s.rule, "on_device": s.on_device,
-                         **({"reason": s.reason} if s.reason else {})} for s in schedules]}
+                         **({"reason": s.reason} if s.reason else {}),
+                         **({"hvx_instructions": s.hvx_instructions} if s.hvx_instructions is not None else {})}
+                        for s in schedules]}
     info.update(backend.extra_libraries(mod, schedules, prefix, tmp, report))
     (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return info

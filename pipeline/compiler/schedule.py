@@ -59,6 +59,7 @@ class KernelSchedule:
     rule: str          # rule name, "library" (shipped pre-scheduled by TVM), or "cpu-default"
     on_device: bool
     reason: str = ""   # why a kernel is placed where it is (NPU targets)
+    hvx_instructions: int | None = None   # HVX vector instructions in its Hexagon object (NPU candidates)
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:

@@ -287,6 +287,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
             "callers": direct, "kv_cache_calls": indirect, "params": _params(func)}
         if record is not None and getattr(record, "reason", ""):
             row["reason"] = record.reason
+        if getattr(record, "hvx_instructions", None) is not None:
+            row["hvx_instructions"] = record.hvx_instructions
         for phase, (funcs, env) in phases.items():
             n_calls = sum(direct.get(f, 0) for f in funcs) + sum(indirect.get(f, 0) for f in funcs)
             nbytes, flops = _cost(cls, func, text, env)

@@ -7,16 +7,26 @@ declares supported (`npu.op_classes` in the YAML) are compiled a second time, fo
 `.tar` of QDSP6 objects. The lm_head (vocab x hidden does not fit in VTCM) and the embedding gather are
 pinned to the CPU. Running the HVX objects needs a Hexagon TVM runtime and FastRPC, which the wheel does
 not have: those kernels are compiled, not executed here.
+
+Placement is decided from the emitted code, not from the op class alone (issue #38: a swallowed schedule
+error once left every GEMV as scalar Hexagon code while the report credited the NPU): a candidate stays on
+the NPU only when its HVX schedule applied and its disassembled object holds HVX vector instructions.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import tvm
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.support import tar
 
 from pipeline.errors import CompileError
@@ -25,6 +35,26 @@ from pipeline.op_classes import classify
 from pipeline.op_classes import eval_shape as _eval
 
 HVX_BYTES = 128           # one HVX vector with +hvx-length128b
+OBJDUMP_CANDIDATES = tuple(f"llvm-objdump-{v}" for v in range(21, 13, -1)) + ("llvm-objdump",)
+# Older disassemblers lack the newest Hexagon CPUs (Debian's LLVM 14/15 stop at v69): the target's own CPU
+# is tried first, then these; HVX encodings an older decoder does not know print as <unknown> and are not
+# counted, so a fallback can only undercount.
+FALLBACK_MCPUS = ("hexagonv69", "hexagonv68", "hexagonv67", "hexagonv66", "hexagonv65")
+NO_VECTOR = "no whole HVX vector divides its output"
+SCHEDULE_FAILED = "HVX schedule failed"
+SCALAR = "compiled to scalar Hexagon code: 0 HVX instructions"
+NO_OBJDUMP = "llvm-objdump not found: the HVX object cannot be checked for vector code (apt-get install llvm)"
+CPU_FALLBACKS = (NO_VECTOR, SCHEDULE_FAILED, SCALAR, NO_OBJDUMP)   # reasons of candidates sent back to the CPU
+# An HVX instruction names an HVX register: v0-v31 (or a pair v1:0, a lane view v0.h, v0.cur / .tmp),
+# a vector predicate q0-q3, or is a vector memory access vmem(...). Scalar Hexagon ops, including the
+# scalar "v"-named SIMD ones on register pairs (r1:0 = vaddh(...)), name none of them.
+_HVX_OPERAND = re.compile(r"\b(?:v(?:[0-9]|[12][0-9]|3[01])(?::[0-9]+)?|q[0-3])\b|\bvmem\(")
+_INSN = re.compile(r"^\s*[0-9a-f]+:\t")
+_SYMBOL = re.compile(r"^[0-9a-f]+ <(.+)>:$")
+
+
+class HvxScheduleError(Exception):
+    """A kernel did not get its HVX schedule; the message says why (it becomes the CPU placement reason)."""
 
 
 def _lanes(func: tirx.PrimFunc) -> int:
@@ -34,32 +64,126 @@ def _lanes(func: tirx.PrimFunc) -> int:
     return max(1, HVX_BYTES * 8 // max(8, bits))
 
 
+def _one_line(err: Exception) -> str:
+    """The first informative line of a TVM error (its messages run to dozens of lines of TIR)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    msg = next((ln for ln in lines if ln.startswith("Error message:")), lines[0] if lines else type(err).__name__)
+    return msg.removeprefix("Error message:").strip()[:200]
+
+
 def hvx_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Inline producers; vectorize the innermost output loop by a whole HVX register when it divides."""
+    """Inline producers; vectorize the innermost output loop by a whole HVX register.
+
+    Raises HvxScheduleError (never falls back silently): an unscheduled kernel is scalar Hexagon code, so
+    the caller must place it on the CPU. For a reduction the output vector is vectorized before the
+    reduction is decomposed: TVM refuses to vectorize the update block once its init is split off."""
     prepared = _inline_producers(func)
     if prepared is None:
-        return func
+        raise HvxScheduleError(f"{SCHEDULE_FAILED}: no spatial output loop to vectorize")
     sch, block, spatial, rest = prepared
     lanes = _lanes(func)
     extent = sch.get(spatial[-1]).extent
-    if not isinstance(extent, tirx.IntImm) or int(extent) % lanes or len(rest) > 1:
-        return sch.mod["main"]
+    if not isinstance(extent, tirx.IntImm) or int(extent) % lanes:
+        raise HvxScheduleError(NO_VECTOR)
+    if len(rest) > 1:
+        raise HvxScheduleError(f"{SCHEDULE_FAILED}: {len(rest)} loops after the output loops (one expected)")
     try:
         outer, inner = sch.split(spatial[-1], factors=[None, lanes])
         if rest:   # reduction: keep the output vector in registers while k streams
             sch.reorder(outer, *spatial[:-1], rest[0], inner)
-            init = sch.decompose_reduction(block, rest[0])
-            sch.vectorize(sch.get_loops(init)[-1])
-        sch.vectorize(inner)
-    except Exception:  # noqa: BLE001 - a shape the simple rule cannot vectorize: scalar HVX-less code
-        sch = s_tir.Schedule(func)
+            sch.vectorize(inner)
+            sch.decompose_reduction(block, rest[0])   # the init loop keeps the vectorized kind
+        else:
+            sch.vectorize(inner)
+    except tvm.error.TVMError as err:
+        raise HvxScheduleError(f"{SCHEDULE_FAILED}: {_one_line(err)}") from err
     return sch.mod["main"]
 
 
+def find_objdump() -> str | None:
+    """llvm-objdump (Debian's llvm packages; LLVM_OBJDUMP overrides), newest first: None when absent."""
+    env = os.environ.get("LLVM_OBJDUMP")
+    for candidate in (env,) if env else OBJDUMP_CANDIDATES:
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return None
+
+
+def _disassemble(objdump: str, obj: Path, mcpu: str, mattr: list[str]) -> str:
+    """Disassembly of one Hexagon object, with the target's CPU or the newest one objdump knows."""
+    width = [a.lstrip("+") for a in mattr if "hvx-length" in a]
+    cpus = [mcpu, *(c for c in FALLBACK_MCPUS if c < mcpu)] if mcpu else list(FALLBACK_MCPUS)
+    for cpu in cpus:
+        attrs = [f"+hvx{cpu.removeprefix('hexagon')}", *(f"+{w}" for w in width)]
+        proc = subprocess.run([objdump, "-d", f"--mcpu={cpu}", f"--mattr={','.join(attrs)}", str(obj)],
+                              capture_output=True, text=True)
+        if proc.returncode == 0:
+            return proc.stdout
+    last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    raise CompileError(f"{Path(objdump).name} cannot disassemble Hexagon objects: {last}",
+                       fix="install a newer llvm (apt-get install llvm) or set LLVM_OBJDUMP")
+
+
+def count_hvx(disassembly: str) -> dict[str, int]:
+    """{symbol: HVX instructions} of an llvm-objdump listing (the rule in _HVX_OPERAND above)."""
+    counts: dict[str, int] = {}
+    symbol = None
+    for line in disassembly.splitlines():
+        head = _SYMBOL.match(line)
+        if head:
+            symbol = head.group(1)
+            counts.setdefault(symbol, 0)
+        elif symbol is not None and _INSN.match(line):
+            text = line.split("\t")[-1]
+            counts[symbol] += bool(_HVX_OPERAND.search(text))
+    return counts
+
+
+def _kernel_of(symbol: str) -> str:
+    """The global symbol a code symbol belongs to: TVM emits `__tvm_ffi_<sym>` and `<sym>_compute_`."""
+    return symbol.removeprefix("__tvm_ffi_").removesuffix("_compute_")
+
+
+def hvx_counts(funcs: dict[str, tirx.PrimFunc], target: tvm.target.Target, objdump: str) -> dict[str, int]:
+    """{kernel: HVX instructions in its compiled code}, from one Hexagon build of `funcs` (each with its
+    global_symbol)."""
+    with tempfile.TemporaryDirectory(prefix="hvx-") as tmp:
+        path = Path(tmp) / "hvx.tar"
+        tvm.tirx.build(tvm.IRModule(funcs), target=target).export_library(str(path), fcompile=tar.tar)
+        with tarfile.open(path) as t:
+            t.extractall(tmp, filter="data")
+        key = {str(f.attrs["global_symbol"]): name for name, f in funcs.items()}
+        counts = dict.fromkeys(funcs, 0)
+        mcpu, mattr = str(target.attrs.get("mcpu", "")), [str(a) for a in target.attrs.get("mattr", [])]
+        for obj in sorted(Path(tmp).glob("*.o")):
+            for symbol, n in count_hvx(_disassemble(objdump, obj, mcpu, mattr)).items():
+                if _kernel_of(symbol) in key:
+                    counts[key[_kernel_of(symbol)]] += n
+    return counts
+
+
+def _target(npu: dict[str, Any]) -> tvm.target.Target:
+    target = tvm.target.Target(dict(npu["tvm_target"]))
+    if "hexagon" not in str(target.attrs.get("mtriple", "")):
+        raise CompileError("npu.tvm_target must be an llvm target with a hexagon mtriple",
+                           fix="use {kind: llvm, mtriple: hexagon, mcpu: hexagonv73, mattr: [+hvxv73, +hvx-length128b]}")
+    return target
+
+
+def _symbol(prefix: str, name: str) -> str:
+    return f"{prefix}hvx_{name}"
+
+
 def partition(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any], vocab_size: int) -> list[Any]:
-    """Placement of every kernel: on_device (NPU) or not, with the reason."""
+    """Placement of every kernel: on_device (NPU) or not, with the reason.
+
+    A kernel of a supported op class goes to the NPU only when its HVX schedule applies and its Hexagon
+    object holds HVX vector instructions (counted in `hvx_instructions`); otherwise it stays on the CPU
+    with the reason, so the report never credits the NPU with scalar code."""
     supported = set(npu.get("op_classes") or ())
-    out = []
+    out: list[Any] = []
+    candidates: dict[str, tirx.PrimFunc] = {}
     for r in records:
         func = mod[r.name]
         cls = classify(r.name, func)
@@ -74,23 +198,51 @@ def partition(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any], vocab_
         elif cls not in supported:
             out.append(replace(r, on_device=False, reason=f"op class {cls} not in the target's npu.op_classes"))
         else:
-            out.append(replace(r, rule="hvx", on_device=True, reason="HVX: compiled, not executed"))
-    return out
+            try:
+                candidates[r.name] = hvx_schedule(func).with_attr("global_symbol", _symbol("", r.name))
+                out.append(r)
+            except HvxScheduleError as err:
+                out.append(replace(r, on_device=False, reason=str(err)))
+    if not candidates:
+        return out
+    objdump = find_objdump()
+    counts = hvx_counts(candidates, _target(npu), objdump) if objdump else {}
+    placed = []
+    for r in out:
+        if r.name not in candidates:
+            placed.append(r)
+        elif objdump is None:
+            placed.append(replace(r, on_device=False, reason=NO_OBJDUMP))
+        elif counts[r.name] == 0:
+            placed.append(replace(r, on_device=False, hvx_instructions=0,
+                                  reason=SCALAR))
+        else:
+            n = counts[r.name]
+            placed.append(replace(r, rule="hvx", on_device=True, hvx_instructions=n,
+                                  reason=f"HVX: {n} vector instructions, compiled, not executed"))
+    return placed
+
+
+def placement_lines(records: list[Any]) -> list[str]:
+    """One build-output line per HVX candidate: its instruction count on the NPU, or why it is on the CPU."""
+    lines = []
+    for r in records:
+        if r.on_device and r.rule == "hvx":
+            lines.append(f"NPU {r.name}: {r.hvx_instructions} HVX instructions")
+        elif r.reason.startswith(CPU_FALLBACKS):
+            lines.append(f"CPU {r.name}: {r.reason}")
+    return lines
 
 
 def build_npu_library(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any], prefix: str,
-                      out_dir: Path) -> Path:
-    """The NPU-placed kernels, HVX-scheduled and compiled for Hexagon, as a `.tar` of objects."""
-    funcs = {}
-    for r in records:
-        if r.on_device:
-            funcs[r.name] = hvx_schedule(mod[r.name]).with_attr("global_symbol", f"{prefix}hvx_{r.name}")
-    target = tvm.target.Target(dict(npu["tvm_target"]))
-    if "hexagon" not in str(target.attrs.get("mtriple", "")):
-        raise CompileError("npu.tvm_target must be an llvm target with a hexagon mtriple",
-                           fix="use {kind: llvm, mtriple: hexagon, mcpu: hexagonv73, mattr: [+hvxv73, +hvx-length128b]}")
-    path = out_dir / f"{prefix}hexagon_hvx.tar"
+                      out_dir: Path) -> Path | None:
+    """The NPU-placed kernels, HVX-scheduled and compiled for Hexagon, as a `.tar` of objects; None when no
+    kernel got HVX code (the CPU library then runs everything)."""
+    target = _target(npu)
+    funcs = {r.name: hvx_schedule(mod[r.name]).with_attr("global_symbol", _symbol(prefix, r.name))
+             for r in records if r.on_device}
     if not funcs:
-        raise CompileError("no kernel is placed on the NPU", fix="check npu.op_classes in the target YAML")
+        return None
+    path = out_dir / f"{prefix}hexagon_hvx.tar"
     tvm.tirx.build(tvm.IRModule(funcs), target=target).export_library(str(path), fcompile=tar.tar)
     return path
