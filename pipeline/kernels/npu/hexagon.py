@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import tvm
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.support import tar
 
 from pipeline.errors import CompileError
@@ -95,7 +95,7 @@ def hvx_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
             sch.decompose_reduction(block, rest[0])   # the init loop keeps the vectorized kind
         else:
             sch.vectorize(inner)
-    except tvm.error.TVMError as err:
+    except (s_tir.ScheduleError, tvm.error.InternalError) as err:   # TVM refused a primitive: say which
         raise HvxScheduleError(f"{SCHEDULE_FAILED}: {_one_line(err)}") from err
     return sch.mod["main"]
 
