@@ -19,7 +19,7 @@ from pipeline.compiler.schedule import KernelSchedule, schedule_module
 from pipeline.config import TargetSpec
 from pipeline.kernels.cpu.probe import build_threads
 from pipeline.kernels.cpu.regions import merge_regions
-from pipeline.kernels.npu.hexagon import build_npu_library, partition, placement_lines
+from pipeline.kernels.npu.hexagon import build_npu_library, find_objdump, partition, placement_lines
 from pipeline.progress import Reporter
 
 
@@ -79,6 +79,10 @@ class NpuBackend(Backend):
     (kernels/npu/hexagon.py decides which kernels go and builds their objects)."""
 
     kind = "npu"
+
+    def key_facts(self) -> dict[str, Any]:
+        """Placement depends on the disassembler that counts the HVX instructions (none: all on the CPU)."""
+        return {**super().key_facts(), "objdump": find_objdump()}
 
     def place(self, mod: tvm.IRModule, schedules: list[KernelSchedule], vocab_size: int,
               report: Reporter | None = None) -> list[KernelSchedule]:
