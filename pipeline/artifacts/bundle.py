@@ -221,6 +221,13 @@ def read_manifest(bundle_dir: Path) -> dict:
                             list_key="files", no_list="manifest.json has no file list")
 
 
+def escapes(rel: str) -> bool:
+    """Whether a path a bundle file names (manifest entry, model_lib) could leave the bundle: empty, absolute
+    or through `..`."""
+    pure = PurePosixPath(rel)
+    return not pure.parts or pure.is_absolute() or ".." in pure.parts
+
+
 def verify_manifest(bundle_dir: Path, *, allow_unlisted: bool = False) -> None:
     """Check every file listed in manifest.json is present with the recorded size and sha256.
 
@@ -231,8 +238,7 @@ def verify_manifest(bundle_dir: Path, *, allow_unlisted: bool = False) -> None:
     listed = set()
     for entry in sorted(read_manifest(bundle_dir)["files"], key=lambda e: e["path"]):
         rel = entry["path"]
-        pure = PurePosixPath(rel)
-        if pure.is_absolute() or ".." in pure.parts:
+        if escapes(rel):
             raise WeightsError(f"manifest.json lists an unsafe path {rel!r}", path=bundle_dir / MANIFEST,
                                fix=REBUILD_FIX)
         listed.add(rel)

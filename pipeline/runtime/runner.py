@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.artifacts.bundle import verify_manifest
+from pipeline.artifacts.bundle import escapes, verify_manifest
 from pipeline.artifacts.tensor_cache import iter_tensor_cache
 from pipeline.errors import PipelineError
 from pipeline.runtime.engine import Engine, MissingWeightsError
@@ -31,11 +31,10 @@ class Bundle:
         if verify:
             verify_manifest(self.path, allow_unlisted=True)
         self.config = json.loads(cfg_path.read_text())
-        model_lib = PurePosixPath(str(self.config.get("model_lib", "")))
+        model_lib = str(self.config.get("model_lib", ""))
         self.library = self.path / model_lib
-        if (not model_lib.parts or model_lib.is_absolute() or ".." in model_lib.parts
-                or not self.library.resolve().is_relative_to(self.path.resolve())):
-            raise PipelineError(f"model_lib {str(model_lib)!r} is not a file inside the bundle", path=cfg_path,
+        if escapes(model_lib) or not self.library.resolve().is_relative_to(self.path.resolve()):
+            raise PipelineError(f"model_lib {model_lib!r} is not a file inside the bundle", path=cfg_path,
                                 fix="rebuild the bundle (python -m pipeline build ...)")
         if self.library.suffix != ".so":
             raise PipelineError(f"the library {self.library.name} is for a phone, not this computer",
