@@ -23,7 +23,7 @@ def _build(args) -> int:
     report = Reporter()
     result = run_pipeline(args.model, args.target, args.quant, weights=args.weights, out=args.out,
                           report=report, phone=args.phone, force_cpu=args.force_cpu, verify=args.verify,
-                          calibration=args.calibration, kv_cache=args.kv_cache)
+                          calibration=args.calibration, kv_cache=args.kv_cache, runtime=args.runtime)
     how = "cache hit, nothing rebuilt" if result.cached else "built"
     report.console.print(f"[bold]{result.bundle}[/] — {how} in {result.seconds:.1f} s"
                          + ("" if result.has_weights else " (no weights given: library + configs only)"))
@@ -71,6 +71,12 @@ def _report(args) -> int:
     return report_main(args.bundles, as_json=args.json, html=args.html)
 
 
+def _check(args) -> int:
+    from pipeline.commands.check import main as check_main
+
+    return check_main(args.bundles, runtime=args.runtime)
+
+
 def _release(args) -> int:
 
     from pipeline.commands.release import load_release, make_release, matrix_json, summary
@@ -110,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
                         "round-to-nearest (faster builds, lower quality), builtin, or a UTF-8 text file")
     b.add_argument("--kv-cache", default=None, choices=("auto", "float16", "float32"),
                    help="KV-cache precision (overrides the scheme's `kv_cache`): auto = fp16 except q0f32")
+    b.add_argument("--runtime", default=None, metavar="NAME",
+                   help="app runtime contract from configs/runtimes/ (default: the target's, mlc-llm-79d603f)")
     b.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="run the GPU kernels on PoCL vs LLVM during the build (default: the target's "
                         "verify_kernels; on for android-adreno)")
@@ -145,6 +153,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--html", default=None, metavar="OUT",
                    help="also write the HTML coverage page for one bundle to OUT")
     c.set_defaults(func=_report)
+    ck = sub.add_parser("check", help="does a bundle satisfy an app runtime's contract (no execution)",
+                        description="Compare bundles of any target with an app runtime's contract "
+                                    "(configs/runtimes/): functions and their signatures, _metadata and chat-config "
+                                    "fields, tensor-cache records, library symbol and prefix. One line per "
+                                    "violation; exit 1 when there is any.")
+    ck.add_argument("bundles", nargs="+", metavar="BUNDLE")
+    ck.add_argument("--runtime", default=None, metavar="NAME",
+                    help="the contract to check against (default: the one the bundle was built for)")
+    ck.set_defaults(func=_check)
     rel = sub.add_parser("release", help="build a release matrix and package it for app teams",
                          description="Build every model x quantization x target of a release file "
                                      "(configs/release/<name>.yaml) and package per target: merged static "

@@ -6,6 +6,7 @@ models, a path) into a dataclass with a clear error when it is unknown or malfor
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -23,6 +24,8 @@ from pipeline.op_classes import parse_classes
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 TARGET_DIR = ROOT / "targets"
+RUNTIME_DIR = CONFIGS / "runtimes"
+DEFAULT_RUNTIME = "mlc-llm-79d603f"   # what Android / iOS apps link: MLC-LLM's engine at that commit
 
 
 def _registry(folder: Path) -> dict[str, Path]:
@@ -32,6 +35,7 @@ def _registry(folder: Path) -> dict[str, Path]:
 MODELS = _registry(CONFIGS / "models")
 QUANTIZATIONS = _registry(CONFIGS / "quant")
 TARGETS = _registry(TARGET_DIR)
+RUNTIMES = _registry(RUNTIME_DIR)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -73,6 +77,7 @@ class TargetSpec:
     npu: dict[str, Any] = field(default_factory=dict)   # second library for an NPU (see pipeline/kernels/npu/hexagon.py)
     force_cpu: tuple[str, ...] = ()   # op classes pinned to the CPU (see pipeline/compiler/force_cpu.py)
     verify_kernels: str | None = None   # "pocl": run the build's kernels on PoCL (see pipeline/verify/execution.py)
+    runtime: str = DEFAULT_RUNTIME      # the app runtime contract the bundle is built for (configs/runtimes/)
     path: Path | None = None
 
     def tvm(self):
@@ -254,11 +259,53 @@ def load_target(name: str) -> TargetSpec:
         if not isinstance(value, int) or value < 0 or value % 8 or value > 24:
             raise ConfigError(f"{tile_field} must be 0, 8, 16 or 24, not {value!r}", path=path,
                               fix=f"{tile_field}: 24 (the widest tile the kernels take) or 0 (plain KN codes)")
+    if spec.runtime not in RUNTIMES:
+        raise ConfigError(f"unknown runtime {spec.runtime!r}", path=path, fix=f"use one of: {', '.join(RUNTIMES)}")
     if spec.requires_codegen and not _has_global_func(spec.requires_codegen):
         raise ConfigError(
             f"target {name!r} needs TVM's {spec.requires_codegen} code generator, which this TVM "
             "(PyPI apache-tvm, built without Vulkan/SPIR-V) does not have", path=path,
             fix="use a TVM built with USE_VULKAN=ON, or --target android-adreno (OpenCL)")
+    return spec
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """An app runtime's contract with a model library (configs/runtimes/<name>.yaml): the functions it calls with
+    their signatures, the `_metadata` / chat-config fields it reads, and what differs between runtime versions."""
+
+    name: str
+    description: str
+    kv_cache_config_fields: int
+    functions: dict[str, dict[str, Any]]
+    metadata_fields: tuple[str, ...] = ()
+    param_fields: tuple[str, ...] = ()
+    chat_config_fields: tuple[str, ...] = ()
+    conv_template_fields: tuple[str, ...] = ()
+    path: Path | None = None
+
+
+def load_runtime(name: str) -> RuntimeSpec:
+    if name not in RUNTIMES:
+        raise _unknown("runtime", name, RUNTIMES)
+    path = RUNTIMES[name]
+    data = _read_yaml(path)
+    base = data.pop("inherit", None)
+    if base is not None:
+        if base == name:
+            raise ConfigError("a runtime cannot inherit itself", path=path, fix="name another runtime")
+        parent = load_runtime(base)
+        data = {**{k: v for k, v in dataclasses.asdict(parent).items() if k != "path"}, **data}
+    try:
+        for key in ("metadata_fields", "param_fields", "chat_config_fields", "conv_template_fields"):
+            data[key] = tuple(data.get(key) or ())
+        spec = RuntimeSpec(path=path, **data)
+    except TypeError as err:
+        raise ConfigError(f"bad runtime file ({err})", path=path,
+                          fix=f"compare with configs/runtimes/{DEFAULT_RUNTIME}.yaml") from None
+    if spec.kv_cache_config_fields not in (5, 6):
+        raise ConfigError(f"kv_cache_config_fields must be 5 or 6, not {spec.kv_cache_config_fields!r}", path=path,
+                          fix="5 for MLC-LLM's pinned TVM runtime, 6 for apache-tvm 0.27")
     return spec
 
 

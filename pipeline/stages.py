@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -35,9 +36,10 @@ from pipeline.cache import (
 )
 from pipeline.compiler import force_cpu as forcing
 from pipeline.compiler.backend import backend_for
-from pipeline.compiler.compile import compile_library
+from pipeline.compiler.compile import compile_library, memory_usage
 from pipeline.compiler.force_cpu import reasons
 from pipeline.compiler.fuse import fusion_passes
+from pipeline.compiler.signatures import function_signatures, kv_cache_config_fields
 from pipeline.compiler.tuning import database_digest, load_database
 from pipeline.config import (
     TILE_FIELDS,
@@ -47,6 +49,7 @@ from pipeline.config import (
     load_model,
     load_phone,
     load_quant,
+    load_runtime,
     load_target,
 )
 from pipeline.errors import ConfigError, PipelineError, WeightsError
@@ -55,6 +58,7 @@ from pipeline.frontend.hf_config import text_config
 from pipeline.frontend.validate import UNUSED_PREFIXES, check_against_checkpoint
 from pipeline.kernels.cpu import rope as cpu_rope
 from pipeline.models import config_from_hf, model_class
+from pipeline.models.engine_table import with_kv_config_fields
 from pipeline.models.split import SplitFactory
 from pipeline.onnx_stages import build_graph, check_quant, emit_graph, is_onnx
 from pipeline.progress import Reporter
@@ -128,6 +132,7 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
                            t2_tile=target.t2_tile if layout == "KN" else 0)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
+    mod = with_kv_config_fields(mod, load_runtime(target.runtime).kv_cache_config_fields)
     if hasattr(module, "rope_settings"):      # for the CPU RoPE kernel (cpu_rope.py)
         mod = cpu_rope.annotate(mod, module.rope_settings())
     too_big = [n for n, p in params if limit and _nbytes(p) > int(limit)]
@@ -265,16 +270,17 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     backend = backend_for(target)
     forced = forcing.reasons(target, force_cpu)
     verify = verify_mode(target, verify, sum(_nbytes(p) for _, p in defined.params))
-    key = digest({"decoder": loaded.decoder.to_json(), "quant": quant.name, "layout": defined.layout,
+    key = digest({"decoder": loaded.decoder.to_json(), "quant": quant.name,
+                  "prefix": system_lib_prefix(loaded.spec.name, quant.name), "layout": defined.layout,
                    "act": defined.activation_dtype, "target": str(tvm_target.export()),
                    "rules": target.schedule_rules, "code": source_hash(), "versions": tvm_versions(),
                    "meta": meta, "force_cpu": forced, "verify": verify, "tuning": database_digest(target.name),
-                   "formats": dict(quant.formats), "ternary_source": quant.ternary_source,
+                   "formats": dict(quant.formats), "ternary_source": quant.ternary_source, "runtime": target.runtime,
                    **({"rotation": quant.rotation} if quant.rotation else {}), **backend.key_facts()})
     out = cache_root() / "lib" / key
     if reusable_entry(out, "build.json", "build", report):
         return out, json.loads((out / "build.json").read_text())
-    prefix = f"{loaded.decoder.family}_{quant.name}_"
+    prefix = system_lib_prefix(loaded.spec.name, quant.name)
     with atomic_dir(out) as tmp:
         with report.step("fuse"):
             mod = fuse(defined, target)
@@ -295,9 +301,21 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         if regions is not None:
             coverage["cpu_regions"] = regions
         write_coverage(coverage, tmp)
-        info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report)
+        chunk, batch = meta["prefill_chunk_size"], meta["max_batch_size"]
+        meta["memory_usage"] = memory_usage(mod, {"seq_len": chunk, "batch_size": batch, "num_seq": batch}, chunk)
+        engine_abi = {"runtime": target.runtime, "device": target.device,
+                      "kv_cache_config_fields": kv_cache_config_fields(defined.mod),
+                      "functions": function_signatures(defined.mod)}
+        info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report, extra={"engine_abi": engine_abi})
         write_entry_manifest(tmp)   # last: a later build reuses the entry only when it matches
     return out, info
+
+
+def system_lib_prefix(model: str, quant: str) -> str:
+    """The library's symbol prefix, unique per model and scheme: an app links several models into one binary,
+    and MLC's engine finds each as `system://<model_lib>` (its `-` read as `_`)."""
+    name = re.sub(r"[^0-9A-Za-z_]", "_", f"{model}_{quant}")
+    return f"{'m_' if name[0].isdigit() else ''}{name}_"
 
 
 def _largest_parameter(defined: Defined, target: TargetSpec) -> dict[str, Any]:
@@ -352,6 +370,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
         write_manifest(tmp, build_key=build_key, tool_versions=tool_versions(),
                        extra={"model": loaded.spec.name, "quantization": quant.name, "target": target.name,
                               "library": f"lib/{build_info['library']}", "has_weights": weights is not None,
+                              "runtime": target.runtime,
                               "request_key": request_key})
     return final
 
@@ -416,7 +435,8 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
 
 
     return digest({"model": text(model.path), "hf": model.hf_config, "weights": stat(model.weights),
-                    "quant": text(quant.path), "target": text(target.path), "code": source_hash(),
+                    "quant": text(quant.path), "target": text(target.path), "runtime": target.runtime,
+                    "code": source_hash(),
                     "versions": tvm_versions(), "tuning": database_digest(target.name)})
 
 
@@ -445,16 +465,21 @@ def _check_out(out: Path) -> None:
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
                  report: Reporter | None = None, phone: str | dict | None = None,
                  force_cpu: str | None = None, verify: bool | None = None,
-                 calibration: str | None = None, kv_cache: str | None = None) -> BuildResult:
+                 calibration: str | None = None, kv_cache: str | None = None,
+                 runtime: str | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
     and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py).
     `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`).
     `calibration`: none | builtin | a text file, replacing the scheme's calibration text (see calibrate.py).
-    `kv_cache`: auto | float16 | float32, replacing the scheme's KV-cache precision."""
+    `kv_cache`: auto | float16 | float32, replacing the scheme's KV-cache precision.
+    `runtime`: the app runtime contract (configs/runtimes/) replacing the target's `runtime`."""
     report = report or Reporter()
     t0 = time.time()
     _check_out(Path(out))
     target_spec = load_target(target)
+    if runtime is not None:
+        load_runtime(runtime)   # an unknown name fails here, in one line
+        target_spec = dataclasses.replace(target_spec, runtime=runtime)
     if phone is not None:
         target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
     quant_spec = _with_calibration(load_quant(quant), calibration)

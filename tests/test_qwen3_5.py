@@ -282,7 +282,8 @@ def test_phone_targets_place_every_hybrid_kernel(random_model, build_bundle, tar
 
     folder, _ = random_model
     bundle = build_bundle(folder, target, "q4f16", verify=False)   # placement only: 20 s, not 65 (PoCL run: below)
-    kernels = {k["name"]: k for k in json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]}
+    build = json.loads((bundle / "reports" / "kernels.json").read_text())
+    kernels, prefix = {k["name"]: k for k in build["kernels"]}, build["system_lib_prefix"]
     for name in ("gdn_prefill", "gdn_decode", "rnn_state_get_1", "rnn_state_set_1"):
         assert name in kernels, sorted(kernels)
     meta = json.loads((bundle / "mlc-chat-config.json").read_text())
@@ -295,7 +296,7 @@ def test_phone_targets_place_every_hybrid_kernel(random_model, build_bundle, tar
         devc = next(m for m in tar.getmembers() if m.name.endswith("_devc.o"))
         source = tar.extractfile(devc).read()
     for name in ("gdn_prefill", "gdn_decode", "gdn_gates", "gdn_conv1d_silu", "rnn_state_get_1", "rnn_state_set_0"):
-        assert f"qwen3_5_q4f16_{name}".encode() in source or f"qwen3_5_q4f16_fused_{name}".encode() in source, name
+        assert f"{prefix}{name}".encode() in source or f"{prefix}fused_{name}".encode() in source, name
 
 
 @pytest.mark.slow     # the default Adreno build, its kernels run on PoCL at build time (~65 s): `make test-slow`
@@ -330,3 +331,44 @@ def test_pipeline_run_drives_a_hybrid_bundle(trained_model, build_bundle, capsys
                              )[0, len(prompt_ids):].tolist()
     assert out.out.split() == [f"w{i}" for i in ref]
     assert "prompt tokens" in out.err and "decode" in out.err
+
+
+def test_batch_prefill_and_decode_scan_each_sequence_from_its_own_state(random_model, build_bundle):
+    """MLC's engine serves a hybrid model only through batch_prefill / batch_decode (with the RNN state): two
+    prompts of different lengths prefilled in one call, then decoded together, give transformers' logits for
+    each prompt alone (the GDN conv windows and delta-rule scans restart at each sequence's boundary)."""
+    import tvm
+    import tvm_ffi
+    from tvm.runtime import ShapeTuple
+
+    folder, model = random_model
+    engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()
+    prompts = [np.random.default_rng(11).integers(0, VOCAB, 23), np.random.default_rng(12).integers(0, VOCAB, 9)]
+    refs = [reference(model, p, 2) for p in prompts]
+    vm, params = engine.vm, engine._param_array
+    kv = vm["create_tir_paged_kv_cache"](ShapeTuple([2]), ShapeTuple([1024]), ShapeTuple([64]), ShapeTuple([16]),
+                                         ShapeTuple([0]))
+    rnn = vm["create_rnn_state"](ShapeTuple([2]), ShapeTuple([1]))
+    for state in (kv, rnn):
+        for s in (0, 1):
+            tvm_ffi.get_global_func("vm.builtin.kv_state_add_sequence")(state, s)
+
+    def step(fn, ids, lengths, *extra):
+        emb = vm["embed"](tvm.runtime.tensor(np.asarray(ids, "int32")), params)
+        shape = (1, len(ids), emb.shape[1]) if fn == "batch_prefill" else (len(ids), 1, emb.shape[1])
+        for state in (kv, rnn):
+            tvm_ffi.get_global_func("vm.builtin.kv_state_begin_forward")(state, ShapeTuple([0, 1]),
+                                                                         ShapeTuple(lengths))
+        logits, *_ = vm[fn](emb._create_view(shape), *extra, kv, rnn, params)
+        for state in (kv, rnn):
+            tvm_ffi.get_global_func("vm.builtin.kv_state_end_forward")(state)
+        return logits.numpy()
+
+    ends = np.cumsum([len(p) for p in prompts]).astype("int32") - 1
+    logits = step("batch_prefill", np.concatenate(prompts), [len(p) for p in prompts], tvm.runtime.tensor(ends))
+    for i, (prefill, _, tokens) in enumerate(refs):
+        assert_close(logits[0, i], prefill[-1], f"batch_prefill, sequence {i}")
+        assert int(np.argmax(logits[0, i])) == tokens[0]
+    logits = step("batch_decode", [tokens[0] for _, _, tokens in refs], [1, 1])
+    for i, (_, decode, _) in enumerate(refs):
+        assert_close(logits[i, 0], decode[0], f"batch_decode, sequence {i}")

@@ -287,10 +287,10 @@ def test_release_of_default_model_is_reproducible(tmp_path, dist_dir, targets):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]      # no temp dirs left behind
     lib = out / "android-cpu" / "lib" / "libmodel_android.a"
     symbols = subprocess.run([nm, "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
-    assert "llama_q4f16___tvm_ffi__library_bin" in symbols
-    assert re.search(r" T __tvm_ffi_llama_q4f16_\w+", symbols)          # the kernels, under the same prefix
+    assert "smollm2_135m_q4f16___tvm_ffi__library_bin" in symbols
+    assert re.search(r" T __tvm_ffi_smollm2_135m_q4f16_\w+", symbols)   # the kernels, under the same prefix
     for target in targets:
-        model_lib = {"host-cpu": "lib/smollm2-135m-q4f16.so", "android-cpu": "llama_q4f16"}[target]
+        model_lib = {"host-cpu": "lib/smollm2-135m-q4f16.so", "android-cpu": "smollm2_135m_q4f16"}[target]
         app = json.loads((out / target / "mlc-app-config.json").read_text())["model_list"]
         assert [(e["model_id"], e["model_lib"], e["model_path"]) for e in app] == [
             ("smollm2-135m-q4f16", model_lib, "smollm2-135m-q4f16")]

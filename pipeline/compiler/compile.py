@@ -8,6 +8,7 @@ the system-lib prefix `<model_type>_<quant>_` so several models can live in one 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,57 @@ def attach_metadata(mod: tvm.IRModule, metadata: dict[str, Any]) -> tvm.IRModule
     mod = mod.clone() if hasattr(mod, "clone") else mod
     mod["_metadata"] = func
     return mod
+
+
+_ALLOCATIONS = ("relax.memory.alloc_storage", "relax.builtin.alloc_tensor")   # both take the shape first
+
+
+def memory_usage(mod: tvm.IRModule, sizes: dict[str, int], default: int) -> dict[str, int]:
+    """Bytes each public Relax function allocates for its intermediates, after TVM's static memory planning, with
+    the symbolic sizes at their largest (`sizes`: e.g. seq_len -> prefill chunk; others -> `default`). MLC's
+    engine reads this as `_metadata.memory_usage` and reserves twice the largest before sizing the KV cache."""
+    t = relax.transform
+    planned = tvm.transform.Sequential([t.RewriteDataflowReshape(), t.ToNonDataflow(), t.RemovePurityChecking(),
+                                        t.CallTIRRewrite(), t.StaticPlanBlockMemory()])(mod)
+    usage: dict[str, int] = {}
+    for gv, func in planned.functions_items():
+        if not isinstance(func, relax.Function) or func.attrs is None or "global_symbol" not in func.attrs:
+            continue
+        total = [0]
+
+        def visit(expr, total=total):
+            if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in _ALLOCATIONS:
+                shape = expr.args[0]
+                if isinstance(shape, relax.ShapeExpr):
+                    n = math.prod(_evaluate(dim, sizes, default) for dim in shape.values)
+                    if expr.op.name == "relax.builtin.alloc_tensor":
+                        n *= (tvm.runtime.DataType(str(expr.args[1].value)).bits + 7) // 8
+                    total[0] += n
+
+        relax.analysis.post_order_visit(func.body, visit)
+        usage[gv.name_hint] = total[0]
+    return usage
+
+
+_BINARY = {tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
+           tirx.FloorDiv: lambda a, b: a // b, tirx.FloorMod: lambda a, b: a % b, tirx.Div: lambda a, b: a // b,
+           tirx.Mod: lambda a, b: a % b, tirx.Max: max, tirx.Min: min}
+
+
+def _evaluate(expr, sizes: dict[str, int], default: int) -> int:
+    """An integer size expression with its variables at `sizes` (by name) or `default`."""
+    if isinstance(expr, int):
+        return expr
+    if isinstance(expr, tirx.IntImm):
+        return int(expr.value)
+    if isinstance(expr, tirx.Var):
+        return sizes.get(expr.name, default)
+    if isinstance(expr, tirx.Cast):
+        return _evaluate(expr.value, sizes, default)
+    op = _BINARY.get(type(expr))
+    if op is None:
+        raise CompileError(f"cannot size an allocation of {expr}", fix="report it: a new shape expression kind")
+    return op(_evaluate(expr.a, sizes, default), _evaluate(expr.b, sizes, default))
 
 
 _ARITH = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max)
@@ -114,9 +166,9 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, *, library: str,
 
 
 def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], backend: Any, prefix: str,
-                    key: str, tmp: Path, report: Reporter) -> dict[str, Any]:
+                    key: str, tmp: Path, report: Reporter, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compile a scheduled module (and the backend's extra libraries: an NPU's) into `tmp` and write build.json;
-    the LLM path and ONNX graphs share it. No timings in build.json: it goes into the bundle, whose
+    the LLM path and ONNX graphs share it; `extra`: more facts for build.json. No timings in build.json: it goes into the bundle, whose
     manifest must be reproducible. `backend`: the target's compiler/backend.Backend."""
     target = backend.spec
     with report.step(f"compile for {target.name}"):
@@ -128,5 +180,6 @@ def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], backen
                          **({"hvx_instructions": s.hvx_instructions} if s.hvx_instructions is not None else {})}
                         for s in schedules]}
     info.update(backend.extra_libraries(mod, schedules, prefix, tmp, report))
+    info.update(extra or {})
     (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return info

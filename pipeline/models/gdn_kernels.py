@@ -48,7 +48,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-__all__ = ["gdn_decode", "gdn_prefill", "gdn_reference"]
+__all__ = ["gdn_decode", "gdn_prefill", "gdn_reference", "gdn_segments"]
 
 
 def _check(Hk: int, Hv: int, Dk: int, Dv: int) -> None:
@@ -183,3 +183,57 @@ def gdn_reference(q, k, v, g, beta, state, scale: float | None = None):
             s[h] += np.outer(kt, delta)
             o[t, h] = (qt @ s[h]) * scale
     return o, s
+
+
+def gdn_segments(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, scale: float | None = None,
+                 gpu: bool = False, max_threads: int = 128, name: str = "gdn_segments",
+                 gate_dtype: str | None = None) -> tirx.PrimFunc:
+    """gdn_prefill over a chunk of ``b`` sequences back to back (MLC's batch_prefill / batch_decode): token
+    rows ``[ends[s-1] + 1, ends[s]]`` are sequence ``s``, scanned from its own state ``state_in[s]``.
+
+    Buffers: q/k [n, Hk, Dk], v [n, Hv, Dv], g/beta [n, Hv], state_in [b, Hv, Dk, Dv] f32, ends [b] int32
+    -> o [n, Hv, Dv], state_out [b, Hv, Dk, Dv] f32. One work item per (sequence, head, column)."""
+    gdt = gate_dtype or dtype
+    group, scale, outer, inner, threads, bph, guard = _setup(Hk, Hv, Dk, Dv, scale, gpu, max_threads)
+
+    @T.prim_func
+    def gdn_segments_func(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, beta_h: T.handle,
+                          state_in_h: T.handle, ends_h: T.handle, o_h: T.handle, state_out_h: T.handle):
+        n, b = T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n, Hk, Dk), dtype)
+        k = T.match_buffer(k_h, (n, Hk, Dk), dtype)
+        v = T.match_buffer(v_h, (n, Hv, Dv), dtype)
+        g = T.match_buffer(g_h, (n, Hv), gdt)
+        beta = T.match_buffer(beta_h, (n, Hv), gdt)
+        state_in = T.match_buffer(state_in_h, (b, Hv, Dk, Dv), "float32")
+        ends = T.match_buffer(ends_h, (b,), "int32")
+        o = T.match_buffer(o_h, (n, Hv, Dv), dtype)
+        state_out = T.match_buffer(state_out_h, (b, Hv, Dk, Dv), "float32")
+        for shb in outer(b * Hv * bph):
+            for tx in inner(threads):
+                if (not guard) or (shb % bph) * threads + tx < Dv:
+                    s = shb // (Hv * bph)
+                    h = (shb // bph) % Hv
+                    j = (shb % bph) * threads + tx
+                    kh = h // group
+                    start = T.if_then_else(s == 0, 0, ends[T.max(s, 1) - 1] + 1)
+                    col = T.alloc_local((Dk,), "float32")
+                    for i in range(Dk):
+                        col[i] = state_in[s, h, i, j]
+                    for t in range(T.Cast("int64", ends[s] + 1 - start)):
+                        r = T.Cast("int64", start) + t
+                        decay = T.exp(T.Cast("float32", g[r, h]))
+                        mem = T.float32(0)
+                        for i in range(Dk):
+                            col[i] = col[i] * decay
+                            mem = mem + col[i] * T.Cast("float32", k[r, kh, i])
+                        delta = (T.Cast("float32", v[r, h, j]) - mem) * T.Cast("float32", beta[r, h])
+                        acc = T.float32(0)
+                        for i in range(Dk):
+                            col[i] = col[i] + T.Cast("float32", k[r, kh, i]) * delta
+                            acc = acc + col[i] * T.Cast("float32", q[r, kh, i])
+                        o[r, h, j] = T.Cast(dtype, acc * T.float32(scale))
+                    for i in range(Dk):
+                        state_out[s, h, i, j] = col[i]
+
+    return _finish(gdn_segments_func, name, gpu)

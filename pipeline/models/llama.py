@@ -20,6 +20,7 @@ from pipeline.errors import ConfigError
 from pipeline.frontend.hf_config import text_config
 from pipeline.kernels.cpu.argmax import argmax_kernel
 from pipeline.kernels.cpu.rope import rope_args
+from pipeline.models.engine_table import EngineFunctions
 from pipeline.models.layers import LayerFactory
 
 ARCHITECTURES = {
@@ -54,7 +55,7 @@ class DecoderConfig:
     qk_norm: bool = False
     context_window_size: int = 4096
     prefill_chunk_size: int = 512
-    max_batch_size: int = 1
+    max_batch_size: int = 16   # sequences one batch_decode may carry (MLC's engine reads it from _metadata)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json",
@@ -206,8 +207,10 @@ def kv_cache_spec() -> dict[str, Any]:
     }
 
 
-class DecoderLM(nn.Module):
-    """Entry points follow MLC's runtime contract: embed, prefill, decode, create_tir_paged_kv_cache."""
+class DecoderLM(EngineFunctions, nn.Module):
+    """Entry points follow MLC's engine contract (configs/runtimes/): embed, prefill / decode (one sequence: the
+    hand-written CPU kernels' shapes), batch_prefill / batch_decode / batch_verify (several), the KV cache, and
+    the engine's buffer and logit functions (models/engine_table.py)."""
 
     def __init__(self, cfg: DecoderConfig, make: LayerFactory, target: Any):
         self.cfg = cfg
@@ -239,6 +242,24 @@ class DecoderLM(nn.Module):
 
     def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache):
         return self._logits(self.model(input_embed, paged_kv_cache)), paged_kv_cache
+
+    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, paged_kv_cache: PagedKVCache):
+        """Chunks of several sequences back to back in one [1, n, h]; logits at `logit_positions` (each
+        sequence's last token) -> [1, b, V]. The KV cache knows which tokens belong to which sequence."""
+        h = self.model(input_embeds, paged_kv_cache)
+        return self._logits(op.take(h, logit_positions, axis=1)), paged_kv_cache
+
+    def batch_decode(self, input_embeds: Tensor, paged_kv_cache: PagedKVCache):
+        """One token of each of b sequences: [b, 1, h] -> [b, 1, V], computed as the b tokens of one [1, b, h]
+        chunk (the KV cache's begin_forward says which sequence each token belongs to): the projections are then
+        the prefill matmuls, whose hand-written CPU kernels stream each weight once for all b tokens."""
+        b, _, h = input_embeds.shape
+        logits = self._logits(self.model(op.reshape(input_embeds, (1, b, h)), paged_kv_cache))
+        return op.reshape(logits, (b, 1, self.cfg.vocab_size)), paged_kv_cache
+
+    def batch_verify(self, input_embeds: Tensor, paged_kv_cache: PagedKVCache):
+        """Draft tokens of several sequences (speculative decoding): logits at every position."""
+        return self._logits(self.model(input_embeds, paged_kv_cache)), paged_kv_cache
 
     def _step_embed(self, input_ids: Tensor) -> Tensor:
         return op.reshape(self.embed(input_ids), [1, 1, self.cfg.hidden_size])
@@ -301,7 +322,15 @@ class DecoderLM(nn.Module):
             "decode": {"input_embed": nn.spec.Tensor([1, 1, h], self.dtype),
                        "paged_kv_cache": kv, **packed},
             **greedy_entry_spec(self.target, {"paged_kv_cache": kv}, packed),
+            "batch_prefill": {"input_embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
+                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                              "paged_kv_cache": kv, **packed},
+            "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype),
+                             "paged_kv_cache": kv, **packed},
+            "batch_verify": {"input_embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
+                             "paged_kv_cache": kv, **packed},
             "create_tir_paged_kv_cache": kv_cache_spec(),
+            **self.engine_spec(),
         }
 
     def metadata(self, quantization: str, params: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -317,7 +346,8 @@ class DecoderLM(nn.Module):
             "pipeline_parallel_stages": 1,
             "kv_state_kind": "kv_cache",
             "max_batch_size": c.max_batch_size,
-            "params": [{"name": n, "shape": [int(x) for x in p.shape], "dtype": p.dtype} for n, p in params],
+            "params": [{"name": n, "shape": [int(x) for x in p.shape], "dtype": p.dtype, "preprocs": []}
+                       for n, p in params],
             "kv_cache": {
                 "num_hidden_layers": c.num_hidden_layers,
                 "num_attention_heads": c.num_attention_heads,

@@ -29,7 +29,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 
 from pipeline.errors import ConfigError
 from pipeline.frontend.hf_config import LAYER_KINDS, text_config
-from pipeline.models.gdn_kernels import gdn_decode, gdn_prefill
+from pipeline.models.gdn_kernels import gdn_decode, gdn_prefill, gdn_segments
 from pipeline.models.layers import LayerFactory
 from pipeline.models.llama import (
     MLP,
@@ -223,6 +223,57 @@ def _tail(prev: te.Tensor, cur: te.Tensor) -> te.Tensor:
     return te.compute(prev.shape, lambda b, i, c: x(b, s + i, c), name="conv_state_tail")
 
 
+def _segment_of(ends: te.Tensor, n) -> te.Tensor:
+    """[n] int32: which sequence each token of a batched chunk belongs to (`ends` [b]: each one's last token)."""
+    j = te.reduce_axis((0, ends.shape[0]), name="j")
+    return te.compute((n,), lambda t: te.sum(tirx.Select(ends[j] < tirx.Cast("int32", t), 1, 0), axis=j),
+                      name="segment_of")
+
+
+def _segment_start(ends: te.Tensor, s):
+    return tirx.if_then_else(s == 0, 0, ends[tirx.max(s, 1) - 1] + 1)
+
+
+def _segmented_window(prev: te.Tensor, cur: te.Tensor, ends: te.Tensor):
+    """x(s, p, c): position p of sequence s's virtual input [its previous K-1 inputs | its tokens of the chunk]."""
+    keep = prev.shape[1]
+
+    def at(s, p, c):
+        t = _segment_start(ends, s) + tirx.Cast("int32", p - keep)
+        return tirx.if_then_else(p < keep, prev[s, tirx.min(p, keep - 1), c], cur[0, tirx.max(t, 0), c])
+
+    return at
+
+
+def _segmented_conv_silu(prev: te.Tensor, cur: te.Tensor, w: te.Tensor, ends: te.Tensor, dtype: str) -> te.Tensor:
+    """_causal_conv_silu over a chunk [1, n, C] holding several sequences back to back, each with its own
+    previous inputs prev[s] ([b, K-1, C])."""
+    x = _segmented_window(prev, cur, ends)
+    seg = _segment_of(ends, cur.shape[1])
+    kernel = int(w.shape[2])
+
+    def conv(_, t, c):
+        s = seg[t]
+        p = tirx.Cast("int64", tirx.Cast("int32", t) - _segment_start(ends, s))
+        acc = x(s, p, c).astype("float32") * w[c, 0, 0].astype("float32")
+        for j in range(1, kernel):
+            acc = acc + x(s, p + j, c).astype("float32") * w[c, 0, j].astype("float32")
+        return (acc * tirx.sigmoid(acc)).astype(dtype)
+
+    return te.compute(cur.shape, conv, name="conv_silu_segments")
+
+
+def _segmented_tail(prev: te.Tensor, cur: te.Tensor, ends: te.Tensor) -> te.Tensor:
+    """Each sequence's last K-1 inputs of [prev[s] | its tokens]: its conv state for the next call."""
+    x = _segmented_window(prev, cur, ends)
+
+    def tail(s, i, c):
+        length = tirx.Cast("int64", ends[s] + 1 - _segment_start(ends, s))
+        return x(s, length + tirx.Cast("int64", i), c)
+
+    return te.compute(prev.shape, tail, name="conv_state_tail_segments")
+
+
 def _gates(a: te.Tensor, b: te.Tensor, a_log: te.Tensor, dt_bias: te.Tensor):
     """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); both fp32 [s, H]."""
     def softplus(x):
@@ -268,7 +319,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, make.dtype)
         self.out_proj = make.linear(self.value_dim, cfg.hidden_size, bias=False, role="out_proj")
 
-    def forward(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
+    def forward(self, x: Tensor, state: RecurrentState, ends: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
+        """`ends` None: x is one sequence's chunk. Else x [1, n, h] holds b sequences back to back and `ends` [b]
+        is each one's last token (MLC's batch_prefill / batch_decode); every state is per sequence."""
+        if ends is not None:
+            return self._forward_segments(x, state, ends)
         c, dtype, layer = self.cfg, self.dtype, self.state_layer
         _, s, _ = x.shape
         hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
@@ -301,6 +356,36 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(op.reshape(o, (1, s, self.value_dim))), state
 
 
+    def _forward_segments(self, x: Tensor, state: RecurrentState, ends: Tensor) -> tuple[Tensor, RecurrentState]:
+        c, dtype, layer = self.cfg, self.dtype, self.state_layer
+        _, s, _ = x.shape
+        nseq = ends.shape[0]
+        hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                          c.linear_value_head_dim)
+        conv_dim, keep = c.conv_dim, c.linear_conv_kernel_dim - 1
+        mixed, z, b, a = op.split(self.in_proj(x), [conv_dim, conv_dim + self.value_dim,
+                                                    conv_dim + self.value_dim + hv], axis=-1)
+        prev = state.get(layer, 0, (nseq, keep, conv_dim), dtype)
+        state = state.set(layer, 0, op.tensor_expr_op(_segmented_tail, "conv_state_tail_segments",
+                                                      [prev, mixed, ends]))
+        conv = op.tensor_expr_op(lambda p, m, w, e: _segmented_conv_silu(p, m, w, e, dtype), "gdn_conv1d_silu_segments",
+                                 [prev, mixed, self.conv1d.weight, ends])
+        q, k, v = op.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
+        q = _l2norm(op.reshape(q, (s, hk, dk)))
+        k = _l2norm(op.reshape(k, (s, hk, dk)))
+        v = op.reshape(v, (s, hv, dv))
+        g, beta = op.tensor_expr_op(_gates, "gdn_gates", [a, b, self.A_log, self.dt_bias])
+        rec = state.get(layer, 1, (nseq, hv, dk, dv), "float32")
+        kw = dict(gpu=self.gpu, max_threads=self.max_threads, gate_dtype="float32")
+        o, rec = op.tensor_ir_op(gdn_segments(hk, hv, dk, dv, dtype, **kw), "gdn_segments",
+                                 [q, k, v, g, beta, rec, ends],
+                                 [Tensor.placeholder((s, hv, dv), dtype),
+                                  Tensor.placeholder((nseq, hv, dk, dv), "float32")])
+        state = state.set(layer, 1, rec)
+        o = self.norm(op.reshape(o, (1, s, hv, dv)), op.reshape(z, (1, s, hv, dv)))
+        return self.out_proj(op.reshape(o, (1, s, self.value_dim))), state
+
+
 class HybridLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, make: LayerFactory, layer_id: int, gpu: bool, max_threads: int):
         eps = cfg.rms_norm_eps
@@ -313,10 +398,10 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps, make.dtype)
         self.mlp = MLP(cfg, make)
 
-    def forward(self, x: Tensor, kv: PagedKVCache, state: RecurrentState):
+    def forward(self, x: Tensor, kv: PagedKVCache, state: RecurrentState, ends: Tensor | None = None):
         h = self.input_layernorm(x)
         if self.kind == "linear_attention":
-            h, state = self.linear_attn(h, state)
+            h, state = self.linear_attn(h, state, ends)
         else:
             h = self.self_attn(h, kv)
         x = x + h
@@ -330,9 +415,9 @@ class HybridBackbone(nn.Module):
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, make.dtype)
 
-    def forward(self, x: Tensor, kv: PagedKVCache, state: RecurrentState):
+    def forward(self, x: Tensor, kv: PagedKVCache, state: RecurrentState, ends: Tensor | None = None):
         for layer in self.layers:
-            x, state = layer(x, kv, state)
+            x, state = layer(x, kv, state, ends)
         return self.norm(x), state
 
 
@@ -370,6 +455,21 @@ class HybridLM(DecoderLM):
     def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
         h, rnn_state = self.model(input_embed, paged_kv_cache, rnn_state)
         return self._logits(h), paged_kv_cache, rnn_state
+
+    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, paged_kv_cache: PagedKVCache,
+                      rnn_state: RecurrentState):
+        """MLC's hybrid batch_prefill: b sequences' chunks back to back in [1, n, h], each one's last token at
+        `logit_positions` -> ([1, b, V], kv, rnn); the GDN layers scan each sequence from its own state."""
+        h, rnn_state = self.model(input_embeds, paged_kv_cache, rnn_state, logit_positions)
+        return self._logits(op.take(h, logit_positions, axis=1)), paged_kv_cache, rnn_state
+
+    def batch_decode(self, input_embeds: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
+        """One token of each of b sequences [b, 1, h] -> [b, 1, V]: batch_prefill of b one-token segments."""
+        b, _, h = input_embeds.shape
+        ends = op.tensor_expr_op(lambda x: te.compute((x.shape[0],), lambda i: tirx.Cast("int32", i), name="ends"),
+                                 "one_token_each", [input_embeds])
+        out, rnn_state = self.model(op.reshape(input_embeds, (1, b, h)), paged_kv_cache, rnn_state, ends)
+        return op.reshape(self._logits(out), (b, 1, self.cfg.vocab_size)), paged_kv_cache, rnn_state
 
     def decode_greedy(self, input_ids: Tensor, paged_kv_cache: PagedKVCache, rnn_state: RecurrentState):
         """DecoderLM.decode_greedy with the recurrent state."""
@@ -415,9 +515,15 @@ class HybridLM(DecoderLM):
             "prefill_all_logits": step("seq_len"),
             "decode": step(1),
             **greedy_entry_spec(self.target, {"paged_kv_cache": kv, "rnn_state": rnn}, packed),
+            "batch_prefill": {"input_embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
+                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                              "paged_kv_cache": kv, "rnn_state": rnn, **packed},
+            "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype),
+                             "paged_kv_cache": kv, "rnn_state": rnn, **packed},
             "create_tir_paged_kv_cache": kv_cache_spec(),
             "create_rnn_state": {"max_batch_size": int, "max_history": int,
                                  "$": {"param_mode": "none", "effect_mode": "none"}},
+            **self.engine_spec(),
         }
 
     def metadata(self, quantization: str, params: list[tuple[str, Any]]) -> dict[str, Any]:
