@@ -96,6 +96,18 @@ def test_our_jinja_rendering_is_transformers(smol_tokenizer, hf_tokenizer):
                                         **conv_mod.special_tokens(smol_tokenizer)) == want
 
 
+def test_jinja_features_render_as_in_transformers(hf_tokenizer):
+    """{% generation %} blocks, tojson without HTML escaping, loop controls, the special tokens."""
+    template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+                "{% if m.role == 'assistant' %}{% generation %}A:{{ m.content }}{% endgeneration %}"
+                "{% else %}U:{{ m.content }}{% endif %}{% endfor %}{{ messages | tojson }}{{ eos_token }}")
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "h\u00e9 <b> & \"q\""},
+                {"role": "assistant", "content": "x"}]
+    want = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert render_chat_template(template, messages, add_generation_prompt=False,
+                                bos_token="<|im_start|>", eos_token="<|im_end|>") == want
+
+
 def test_smollm2_tokenizer_info(smol_tokenizer):
     assert detect_tokenizer_info(smol_tokenizer) == {"token_postproc_method": "byte_level",
                                                      "prepend_space_in_encode": False, "strip_space_in_decode": False}
