@@ -36,6 +36,7 @@ MODELS = _registry(CONFIGS / "models")
 QUANTIZATIONS = _registry(CONFIGS / "quant")
 TARGETS = _registry(TARGET_DIR)
 RUNTIMES = _registry(RUNTIME_DIR)
+CONV_TEMPLATES = _registry(CONFIGS / "conv_templates")   # MLC conversation templates (pipeline/artifacts/conversation.py)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -336,6 +337,9 @@ def load_model(name_or_path: str, weights: str | Path | None = None) -> ModelSpe
     if name_or_path in MODELS:
         path = MODELS[name_or_path]
         data = _read_yaml(path)
+        if data.get("conv_template", "chatml") not in CONV_TEMPLATES:
+            raise ConfigError(f"unknown conv_template {data['conv_template']!r}", path=path,
+                              fix=f"use one of: {', '.join(CONV_TEMPLATES)} (configs/conv_templates/)")
         hf_config = None
         if data.get("config"):
             cfg_path = path.parent / data["config"]

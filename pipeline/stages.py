@@ -24,6 +24,7 @@ import tvm
 
 from pipeline.artifacts.bundle import atomic_dir, bundle_current, tool_versions, write_manifest
 from pipeline.artifacts.chat_config import chat_config
+from pipeline.artifacts.conversation import template_digest
 from pipeline.cache import (
     ENTRY_MANIFEST,
     cache_root,
@@ -333,7 +334,8 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
     name = f"{loaded.spec.name}-{quant.name}-{target.name}"
     final = out_root / name
     build_key = digest({"weights": weights.name if weights else None, "lib": build_info["key"],
-                         "code": source_hash(), "reports": extra_reports or {}, "phone": target.phone})
+                         "code": source_hash(), "reports": extra_reports or {}, "phone": target.phone,
+                         "conv_template": template_digest(loaded.spec.conv_template)})
     if bundle_current(final, build_key):
         report.info(f"emit: {final} is up to date (build key {build_key})")
         return final
@@ -360,7 +362,7 @@ def emit(loaded: Loaded, quant: QuantSpec, target: TargetSpec, weights: Path | N
                 tokenizer_files = loaded.checkpoint.write_tokenizer(tmp)
             except WeightsError as err:   # a compiled model is still useful; say what is missing
                 report.info(f"[yellow]warning:[/] {err} (the bundle has no tokenizer)")
-        cfg = chat_config(loaded, quant, build_info, tokenizer_files)
+        cfg = chat_config(loaded, quant, build_info, tokenizer_files, tmp, report)
         (tmp / "mlc-chat-config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         if weights is None:
             (tmp / "NO_WEIGHTS.txt").write_text(
@@ -436,8 +438,8 @@ def request_key(model: ModelSpec, quant: QuantSpec, target: TargetSpec) -> str:
 
     return digest({"model": text(model.path), "hf": model.hf_config, "weights": stat(model.weights),
                     "quant": text(quant.path), "target": text(target.path), "runtime": target.runtime,
-                    "code": source_hash(),
-                    "versions": tvm_versions(), "tuning": database_digest(target.name)})
+                    "code": source_hash(), "versions": tvm_versions(), "tuning": database_digest(target.name),
+                    "conv_template": template_digest(model.conv_template)})
 
 
 def _with_calibration(quant: QuantSpec, calibration: str | None) -> QuantSpec:

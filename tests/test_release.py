@@ -25,11 +25,12 @@ from pipeline.commands.release import (
     package,
     write_tarball,
 )
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import CompileError, ConfigError, PipelineError
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
-GOOD = {"models": ["smollm2-135m"], "quantizations": ["q4f16"], "targets": ["host-cpu", "android-cpu"]}
+URL = "https://huggingface.co/org/{model_id}-{target}"
+GOOD = {"models": ["smollm2-135m"], "quantizations": ["q4f16"], "targets": ["host-cpu", "android-cpu"], "model_url": URL}
 
 
 def _write(tmp_path: Path, data: dict, name: str = "rel.yaml") -> Path:
@@ -57,11 +58,12 @@ def test_default_release_file():
     # the release turns PoCL verification off only where a target would run it by default
     assert spec.verify_for("android-adreno") is False
     assert spec.verify_for("host-cpu") is None and spec.verify_for("android-cpu") is None
+    assert "{model_id}" in spec.model_url and "{target}" in spec.model_url        # explicit, per model and target
 
 
 def test_release_file_by_path(tmp_path):
-    spec = load_release(_write(tmp_path, {**GOOD, "verify": True, "model_url": "https://x/{model_id}"}))
-    assert spec.name == "rel" and spec.verify is True
+    spec = load_release(_write(tmp_path, {**GOOD, "verify": True, "model_url": "https://x/{target}/{model_id}"}))
+    assert spec.name == "rel" and spec.verify is True and spec.model_url == "https://x/{target}/{model_id}"
     assert spec.entries() == [("smollm2-135m", "q4f16", "host-cpu"), ("smollm2-135m", "q4f16", "android-cpu")]
 
 
@@ -74,7 +76,13 @@ def test_release_file_by_path(tmp_path):
     ({"quantizations": "q4f16"}, ["quantizations must be a non-empty list"]),
     ({"targets": ["host-cpu", "host-cpu"]}, ["targets lists host-cpu more than once"]),
     ({"verify": "yes"}, ["verify must be true or false"]),
-    ({"model_url": "https://x/models"}, ["does not contain {model_id}"]),
+    ({"model_url": "https://x/models/{target}"}, ["does not contain {model_id}"]),
+    ({"model_url": None}, ["no model_url", "android-cpu", "resolve/main", "add model_url: https://"]),
+    ({"model_url": "https://x/{model_id}"}, ["has no {target}", "host-cpu, android-cpu"]),
+    ({"model_url": "https://x/{model_id}-{quant}-{target}"}, ["unknown field(s) {quant}"]),
+    ({"model_url": "https://x/{model_id}-{target"}, ["not a valid template"]),
+    ({"model_url": "s3://x/{model_id}-{target}"}, ["not an http(s) address"]),
+    ({"model_url": "https://x/{model_id}-{target}/resolve/main"}, ["ends in resolve/main"]),
     ({"name": "a/b"}, ["not a plain file name"]),
     ({"platforms": ["android"]}, ["unknown key(s) platforms", "use only:"]),
 ])
@@ -86,6 +94,15 @@ def test_release_file_errors(tmp_path, change, words):
     assert "\n" not in text and str(path) in text and "fix:" in text
     for word in words:
         assert word in text
+
+
+def test_model_url_is_optional_without_android(tmp_path):
+    """Only MLCChat on Android downloads weights; a host-cpu (or iOS, bundled) release needs no model_url."""
+    spec = load_release(_write(tmp_path, {**{k: v for k, v in GOOD.items() if k != "model_url"},
+                                          "targets": ["host-cpu"]}))
+    assert spec.model_url is None
+    one = load_release(_write(tmp_path, {**GOOD, "targets": ["android-cpu"], "model_url": "https://x/{model_id}"}))
+    assert one.model_url == "https://x/{model_id}"          # one target: {target} is not needed
 
 
 def test_missing_release_file_lists_known_ones():
@@ -208,6 +225,7 @@ def test_static_library_merge_is_reproducible(tmp_path, target, static):
     app = json.loads((out / target / "mlc-app-config.json").read_text())
     assert app == {"model_list": [
         {"model_id": f"{m}-q4f16", "model_lib": f"{m}_q4f16", "model_path": f"{m}-q4f16",
+         "model_url": f"https://huggingface.co/org/{m}-q4f16-{target}",
          "estimated_vram_bytes": 1000 + 10 * 16 + 7 + 3} for m in spec.models]}
     weights = out / target / "m1-q4f16"
     assert sorted(p.name for p in weights.iterdir()) == ["mlc-chat-config.json", "params_shard_0.bin",
@@ -228,6 +246,15 @@ def test_shared_prefix_is_refused(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(PipelineError, match="share the system-lib prefix 'llama_q4f16_'"):
         package(spec, built, tmp_path / "out")
+
+
+def test_model_lib_is_the_prefix_without_its_underscore():
+    from pipeline.commands.release import model_lib
+
+    assert model_lib("smollm2_135m_q4f16_") == "smollm2_135m_q4f16"
+    assert model_lib("m_1b_q4f16_0_") == "m_1b_q4f16_0"                     # only the one trailing '_'
+    with pytest.raises(CompileError, match="does not end in '_'"):
+        model_lib("llama_q4f16")
 
 
 def test_same_model_twice_is_refused(tmp_path):
@@ -287,19 +314,31 @@ def test_release_of_default_model_is_reproducible(tmp_path, dist_dir, targets):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]      # no temp dirs left behind
     lib = out / "android-cpu" / "lib" / "libmodel_android.a"
     symbols = subprocess.run([nm, "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
-    assert "smollm2_135m_q4f16___tvm_ffi__library_bin" in symbols
-    assert re.search(r" T __tvm_ffi_smollm2_135m_q4f16_\w+", symbols)   # the kernels, under the same prefix
+    prefix = json.loads((out / "android-cpu" / "reports" / "smollm2-135m-q4f16" / "kernels.json").read_text())[
+        "system_lib_prefix"]
+    assert re.fullmatch(r"[A-Za-z_]\w*_", prefix)
+    assert f"{prefix}__tvm_ffi__library_bin" in symbols
+    assert re.search(rf" T __tvm_ffi_{prefix}\w+", symbols)          # the kernels, under the same prefix
     for target in targets:
-        model_lib = {"host-cpu": "lib/smollm2-135m-q4f16.so", "android-cpu": "smollm2_135m_q4f16"}[target]
+        model_lib = {"host-cpu": "lib/smollm2-135m-q4f16.so", "android-cpu": prefix.removesuffix("_")}[target]
         app = json.loads((out / target / "mlc-app-config.json").read_text())["model_list"]
-        assert [(e["model_id"], e["model_lib"], e["model_path"]) for e in app] == [
-            ("smollm2-135m-q4f16", model_lib, "smollm2-135m-q4f16")]
+        assert [(e["model_id"], e["model_lib"], e["model_path"], e["model_url"]) for e in app] == [
+            ("smollm2-135m-q4f16", model_lib, "smollm2-135m-q4f16",
+             f"https://huggingface.co/org/smollm2-135m-q4f16-{target}")]
         plan = json.loads((out / target / "reports" / "smollm2-135m-q4f16" / "memory.json").read_text())
         assert app[0]["estimated_vram_bytes"] > plan["weights_total"]["bytes"] > 50e6
         weights = out / target / "smollm2-135m-q4f16"
         assert {"mlc-chat-config.json", "tensor-cache.json", "tokenizer.json"} <= {p.name for p in weights.iterdir()}
         cache = json.loads((weights / "tensor-cache.json").read_text())
         assert all((weights / shard["dataPath"]).stat().st_size == shard["nbytes"] for shard in cache["records"])
+        chat = json.loads((weights / "mlc-chat-config.json").read_text())   # what the engine parses
+        assert chat["model_lib"] == model_lib
+        assert all((weights / f).is_file() for f in chat["tokenizer_files"])       # MLCChat downloads each
+        assert chat["tokenizer_info"] == {"token_postproc_method": "byte_level", "prepend_space_in_encode": False,
+                                          "strip_space_in_decode": False}
+        conv = chat["conv_template"]
+        assert conv["system_message"] == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        assert conv["stop_token_ids"] == [2] and conv["roles"]["assistant"] == "<|im_start|>assistant"
         with tarfile.open(out / f"small-{target}.tar.gz") as tar:
             names = set(tar.getnames())
         tree = {f"small-{target}/{p.relative_to(out / target).as_posix()}" for p in (out / target).rglob("*")}

@@ -1,15 +1,26 @@
-"""mlc-chat-config.json: the runtime config MLC's app runtimes (mlc4j, MLCSwift, web-llm) read."""
+"""mlc-chat-config.json: the runtime config MLC's app runtimes (mlc4j, MLCSwift, web-llm) read.
+
+Its `conv_template` is the whole Conversation object MLC's engine builds prompts from, fitted to the bundle's
+tokenizer (pipeline/artifacts/conversation.py), and its `tokenizer_info` is detected from the bundle's
+tokenizer.json as MLC does (pipeline/artifacts/tokenizer_info.py); see docs/conversation-templates.md.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts.conversation import bundle_conversation, to_json
+from pipeline.artifacts.tokenizer_info import DEFAULT_INFO, detect_tokenizer_info
 from pipeline.config import TILE_FIELDS
 
 CHAT_CONFIG_VERSION = "0.1.0"
 
 
-def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_files: list[str]) -> dict:
+def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_files: list[str],
+                folder: Path | None = None, report: Any = None) -> dict:
+    """`folder`: where the bundle's tokenizer files were written (None: not known, MLC's defaults are used);
+    `report`: where a conversation template that does not reproduce the tokenizer's chat template is warned about."""
     d = loaded.decoder
     gen = loaded.generation_config or {}
     hf = loaded.hf_config
@@ -18,6 +29,12 @@ def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_f
         return next((v for v in vals if v is not None), None)
 
     eos = first(gen.get("eos_token_id"), hf.get("eos_token_id"))
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    has_tokenizer = folder is not None and bool(tokenizer_files)
+    fitted = bundle_conversation(loaded.spec.conv_template, Path(folder) if has_tokenizer else None, eos_ids,
+                                 model_file=loaded.spec.path)
+    for warning in fitted.warnings if report is not None else ():
+        report.info(f"[yellow]warning:[/] {warning}")
     return {
         "version": CHAT_CONFIG_VERSION,
         "model_type": d.family,
@@ -36,12 +53,11 @@ def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_f
         "repetition_penalty": first(gen.get("repetition_penalty"), 1.0),
         "top_p": first(gen.get("top_p"), 0.95),
         "tokenizer_files": sorted(tokenizer_files),
-        "tokenizer_info": {"token_postproc_method": "byte_level", "prepend_space_in_encode": False,
-                           "strip_space_in_decode": False},
-        "conv_template": loaded.spec.conv_template,
+        "tokenizer_info": detect_tokenizer_info(Path(folder)) if has_tokenizer else dict(DEFAULT_INFO),
+        "conv_template": to_json(fitted.conv),
         "pad_token_id": first(hf.get("pad_token_id"), 0),
         "bos_token_id": first(gen.get("bos_token_id"), hf.get("bos_token_id")),
-        "eos_token_id": eos if isinstance(eos, list) else [eos] if eos is not None else [],
+        "eos_token_id": eos_ids,
         "model_task": "chat",
         "model_lib": f"lib/{build_info['library']}",
         "system_lib_prefix": build_info["system_lib_prefix"],

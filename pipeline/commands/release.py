@@ -4,7 +4,7 @@ A release file (`configs/release/<name>.yaml`) names models x quantizations x ta
 is built through the ordinary pipeline (`stages.run_pipeline`, so the content-addressed build cache is
 shared with `make build` and CI jobs), then packaged per target in MLC-LLM's app layout:
 
-    <out>/<target>/mlc-app-config.json      model_list: model_id, model_lib, model_path, estimated_vram_bytes
+    <out>/<target>/mlc-app-config.json      model_list: model_id, model_lib, model_path, model_url, estimated_vram_bytes
     <out>/<target>/lib/libmodel_android.a   android-*: every model's system-lib objects (libmodel_iphone.a: ios)
     <out>/<target>/lib/<model_id>.so        host-cpu: each model's shared library, copied
     <out>/<target>/<model_id>/              weights folder (mlc-chat-config.json, tensor cache, tokenizer)
@@ -24,6 +24,7 @@ import io
 import json
 import os
 import shutil
+import string
 import subprocess
 import tarfile
 import tempfile
@@ -51,6 +52,11 @@ RELEASE_DIR = CONFIGS / "release"
 FIELDS = ("name", "models", "quantizations", "targets", "verify", "model_url")
 EXAMPLES = {"models": "smollm2-135m", "quantizations": "q4f16, q0f16", "targets": "host-cpu, android-cpu"}
 LIBRARY_SYMBOL = "{prefix}__tvm_ffi__library_bin"   # the system-lib blob every model library defines
+# model_url: where an app downloads a model's weights folder. MLCChat on Android fetches
+# <model_url>/resolve/main/<file> (mlc-chat-config.json, tensor-cache.json, its shards, the tokenizer files), the
+# layout of a Hugging Face model repo; `mlc_llm package` writes it for every model it does not bundle.
+URL_FIELDS = ("model_id", "target")
+URL_EXAMPLE = "https://huggingface.co/<your-org>/{model_id}-{target}"
 # Static library per OS (from the target's LLVM triple): file name and the `ar` format its linker wants.
 STATIC_LIBS = {"android": ("libmodel_android.a", "gnu"), "ios": ("libmodel_iphone.a", "darwin")}
 AR_CANDIDATES = ("/usr/lib/llvm-15/bin/llvm-ar", "llvm-ar")
@@ -67,7 +73,7 @@ class ReleaseSpec:
     quantizations: tuple[str, ...]
     targets: tuple[str, ...]
     verify: bool = False              # run android-adreno's kernels on PoCL during the builds (slow)
-    model_url: str | None = None      # e.g. https://host/{model_id}: adds model_url to mlc-app-config.json
+    model_url: str | None = None      # e.g. https://huggingface.co/org/{model_id}-{target} (see URL_FIELDS)
     path: Path | None = None
     target_specs: dict[str, TargetSpec] = field(default_factory=dict, compare=False, repr=False)
 
@@ -110,16 +116,46 @@ def load_release(name_or_path: str | Path) -> ReleaseSpec:
     verify = data.get("verify", False)
     if not isinstance(verify, bool):
         raise ConfigError(f"verify must be true or false, not {verify!r}", path=path, fix="write verify: false")
-    url = data.get("model_url")
-    if url is not None and (not isinstance(url, str) or "{model_id}" not in url):
-        raise ConfigError(f"model_url {url!r} does not contain {{model_id}}", path=path,
-                          fix="write e.g. model_url: https://example.com/models/{model_id}")
+    url = _model_url(data.get("model_url"), specs, path)
     name = data.get("name", path.stem)
     if not isinstance(name, str) or not name or any(not (c.isalnum() or c in "-_.") for c in name):
         raise ConfigError(f"name {name!r} is not a plain file name", path=path,
                           fix="use letters, digits, '-', '_' and '.' only")
     return ReleaseSpec(name=name, verify=verify, model_url=url, path=path, target_specs=specs,
                        **{k: tuple(v) for k, v in lists.items()})
+
+
+def _model_url(url: Any, targets: dict[str, TargetSpec], path: Path) -> str | None:
+    """The release's model_url template: needed as soon as an Android app is packaged (MLCChat downloads every
+    model from it); {model_id} in it, and {target} when several targets' weights folders would share it."""
+    android = [t for t, spec in targets.items() if _packaging(spec, path) == STATIC_LIBS["android"]]
+    if url is None:
+        if android:
+            raise ConfigError(f"no model_url, which MLCChat on Android needs for {', '.join(android)} (it downloads "
+                              "each model from <model_url>/resolve/main/)", path=path,
+                              fix=f"add model_url: {URL_EXAMPLE} (docs/releases.md)")
+        return None
+    if not isinstance(url, str) or not url.startswith(("https://", "http://")):
+        raise ConfigError(f"model_url {url!r} is not an http(s) address", path=path,
+                          fix=f"write e.g. model_url: {URL_EXAMPLE}")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(url) if f is not None]
+    except ValueError as err:
+        raise ConfigError(f"model_url {url!r} is not a valid template ({err})", path=path,
+                          fix=f"write e.g. model_url: {URL_EXAMPLE}") from None
+    unknown = sorted({f for f in fields if f not in URL_FIELDS})
+    if unknown or "model_id" not in fields:
+        named = ", ".join("{" + f + "}" for f in unknown)
+        what = f"has unknown field(s) {named}" if unknown else "does not contain {model_id}"
+        raise ConfigError(f"model_url {url!r} {what}", path=path,
+                          fix=f"use {{model_id}} and {{target}} only, e.g. model_url: {URL_EXAMPLE}")
+    if len(targets) > 1 and "target" not in fields:
+        raise ConfigError(f"model_url {url!r} has no {{target}}: {', '.join(targets)} would share one address for "
+                          "different weights folders", path=path, fix=f"write e.g. model_url: {URL_EXAMPLE}")
+    if url.rstrip("/").endswith("/resolve/main"):
+        raise ConfigError(f"model_url {url!r} ends in resolve/main, which MLCChat appends itself", path=path,
+                          fix="give the repository's address, without /resolve/main")
+    return url
 
 
 def _names(data: dict[str, Any], key: str, path: Path) -> list[str]:
@@ -244,7 +280,7 @@ def _package_target(spec: ReleaseSpec, target: TargetSpec, items: list[Built], o
         entry = {"model_id": b.model_id, "model_lib": libs[b.model_id], "model_path": b.model_id,
                  "estimated_vram_bytes": estimated_vram_bytes(b)}
         if spec.model_url:
-            entry["model_url"] = spec.model_url.format(model_id=b.model_id)
+            entry["model_url"] = spec.model_url.format(model_id=b.model_id, target=target.name)
         app.append(entry)
         rows.append({"model": b.model, "quantization": b.quant, "target": b.target, "model_id": b.model_id,
                      "model_lib": libs[b.model_id], "system_lib_prefix": kernels["system_lib_prefix"],
@@ -259,7 +295,9 @@ def _merge_static(spec: ReleaseSpec, target: TargetSpec, items: list[Built], des
     """Every model's system-lib objects (from its bundle's .tar) in one deterministic static library.
 
     Members are renamed `<model_id>-<object>` (each .tar has a `lib0.o`); returns model_id -> model_lib,
-    the system-lib prefix without its trailing `_` (what MLC's app runtimes look the library up by)."""
+    the system-lib prefix without its trailing `_`. MLC's app runtimes load `system://<model_lib>`, i.e. the
+    symbol `<model_lib, '-' read as '_'>___tvm_ffi__library_bin`, which is checked in the merged library
+    (the rule of `mlc_llm package`'s validate_model_lib)."""
     prefixes: dict[str, str] = {}
     members: list[str] = []
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".objects-") as work:
@@ -275,11 +313,20 @@ def _merge_static(spec: ReleaseSpec, target: TargetSpec, items: list[Built], des
         _run([ar, f"--format={fmt}", "rcsD", str(dest.resolve()), *members], cwd=work)
     symbols = {s.removeprefix("_") if fmt == "darwin" else s      # Mach-O prepends `_` to C names
                for s in _run([nm, "--defined-only", "--just-symbol-name", str(dest)]).split()}
-    missing = [p for p in prefixes if LIBRARY_SYMBOL.format(prefix=p) not in symbols]
+    libs = {model_id: model_lib(prefix) for prefix, model_id in prefixes.items()}
+    missing = [m for m, lib in libs.items() if LIBRARY_SYMBOL.format(prefix=lib.replace("-", "_") + "_") not in symbols]
     if missing:
-        raise CompileError(f"{dest.name} lacks the library symbol of {', '.join(prefixes[p] for p in missing)}",
+        raise CompileError(f"{dest.name} lacks the library symbol of {', '.join(missing)}",
                            fix="rebuild the bundles (make clean, then make release)")
-    return {model_id: prefix.rstrip("_") for prefix, model_id in prefixes.items()}
+    return libs
+
+
+def model_lib(prefix: str) -> str:
+    """mlc-app-config.json's model_lib for a system library: its symbol prefix without the trailing `_`."""
+    if not prefix.endswith("_") or prefix == "_":
+        raise CompileError(f"system-lib prefix {prefix!r} does not end in '_'",
+                           fix="rebuild the bundles (make clean, then make release)")
+    return prefix.removesuffix("_")
 
 
 def _extract_objects(tar_path: Path, work: Path, model_id: str) -> list[str]:
