@@ -456,6 +456,40 @@ def test_tokenizer_in_a_program_without_python(engine_lib, smollm2_tokenizer, tm
     assert lines == [" ".join(map(str, ref.encode(t, add_special_tokens=False).ids)) + " |" + t for t in texts]
 
 
+_NO_MODEL = """
+import json, sys, threading, time
+from clients.mlc_engine.client import EngineError, MLCEngine
+out = {}
+engine = MLCEngine(sys.argv[1], sys.argv[2], model_lib="none.so", load=False)   # loops running, no model
+try:
+    engine.chat([{"role": "user", "content": "hi"}])
+except EngineError as e:
+    out["unloaded"] = str(e)
+# The engine's own request validation (ChatCompletionRequest::FromJSON) runs before anything reads the model, so
+# a malformed request shows the rejection path without one. (A well-formed request on an engine with no model
+# makes MLC dereference a null default generation config: the client refuses it, above.)
+engine._loaded = True
+try:
+    engine.chat("not a list of messages")
+except EngineError as e:
+    out["rejected"] = str(e)
+t0 = time.monotonic()
+engine.close()
+out["close_s"] = time.monotonic() - t0
+out["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("mlc-")]
+print(json.dumps(out))
+"""
+
+
+def test_json_ffi_engine_rejects_a_request_with_its_own_message(engine_lib, tmp_path):
+    r = _run_py(_NO_MODEL, str(engine_lib), str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["unloaded"] == "no model loaded (call reload() first)"
+    assert out["rejected"] == 'request rejected: ValueError: key "messages" has unexpected value type.'
+    assert out["close_s"] < 10 and out["threads"] == []                 # both loops stopped and joined
+
+
 # MLC's ModelMetadata::FromJSON (cpp/metadata/model.cc) reads these without a default
 _REQUIRED_METADATA = ["model_type", "quantization", "context_window_size", "prefill_chunk_size", "max_batch_size",
                       "tensor_parallel_shards", "params", "memory_usage"]
@@ -497,6 +531,12 @@ def test_engine_loads_our_host_cpu_bundle_or_says_why(engine_lib, build_bundle):
         names = {m.split(".")[-1] for m in missing}
         assert any(re.search(rf"\b{re.escape(n)}\b", line) for n in names), (missing, line)
         assert time.monotonic() - t0 < 120
+        # the JSON FFI (the app-facing engine) refuses it with the same reason
+        r = subprocess.run([sys.executable, "-m", "clients.mlc_engine.client", "--lib", str(engine_lib), "chat",
+                            str(bundle), "--prompt", "Hi", "--max-tokens", "4"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert _one_line_error(r.stderr) == line
     else:
         assert r.returncode == 0, _one_line_error(r.stderr)
         out = json.loads(r.stdout)

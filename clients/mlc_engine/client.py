@@ -181,7 +181,10 @@ class _Engine:
 
     def __init__(self, lib_path: str | Path, model_dir: str | Path, model_lib: str | Path | None = None,
                  device: str = "cpu", mode: str = "local", reload_timeout: float | None = 900.0,
-                 **engine_config: Any):
+                 load: bool = True, **engine_config: Any):
+        """engine_config: further EngineConfig fields (max_num_sequence, max_total_sequence_length,
+        prefill_chunk_size, kv_cache_page_size, prefix_cache_mode, verbose, ...; cpp/serve/config.cc).
+        load=False starts the engine and its loops without a model (`reload()` loads it later)."""
         self.lib_path = load_library(lib_path)
         self.model_dir = Path(model_dir).resolve()
         self.model_lib = resolve_model_lib(self.model_dir, model_lib).resolve()
@@ -195,6 +198,7 @@ class _Engine:
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._broken: EngineError | None = None
+        self._loaded = False
         self._log = _Log()
         self._module = self._create()
         _LIVE.add(self)
@@ -204,7 +208,8 @@ class _Engine:
                 t = threading.Thread(target=self._run_loop, args=(name,), name=f"mlc-{name}", daemon=True)
                 t.start()
                 self._threads.append(t)
-            self._reload(reload_timeout)
+            if load:
+                self.reload(reload_timeout)
         except BaseException:
             self.close()
             raise
@@ -233,8 +238,8 @@ class _Engine:
         self._broken = err
         return err
 
-    def _reload(self, timeout: float | None) -> None:
-        """reload() waits inside C++ for the background loop to load the model; when loading throws, the loop
+    def reload(self, timeout: float | None = 900.0) -> None:
+        """Load the model (engine_config). The engine's reload() waits inside C++ for the background loop to load the model; when loading throws, the loop
         thread ends with the error and reload would wait forever, so it runs in a thread of its own."""
         box: dict[str, BaseException] = {}
         done = threading.Event()
@@ -258,6 +263,7 @@ class _Engine:
                 raise EngineError(f"loading {self.model_dir.name} did not finish within {timeout:.0f} s")
         if "error" in box:
             raise _engine_error(box["error"], self._log.records(), f"loading {self.model_dir.name} failed")
+        self._loaded = True
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -266,6 +272,9 @@ class _Engine:
             raise EngineError(f"engine is not usable: {self._broken}", self._broken.detail)
         if self._loop_failed.is_set():
             raise self._loop_error("engine stopped")
+        if not self._loaded:
+            # MLC's AddRequest reads the loaded model's default generation config: without one it crashes
+            raise EngineError("no model loaded (call reload() first)")
 
     def _next(self, q: queue.Queue, timeout: float | None):
         deadline = None if timeout is None else time.monotonic() + timeout
