@@ -239,8 +239,12 @@ class _Engine:
         return err
 
     def reload(self, timeout: float | None = 900.0) -> None:
-        """Load the model (engine_config). The engine's reload() waits inside C++ for the background loop to load the model; when loading throws, the loop
-        thread ends with the error and reload would wait forever, so it runs in a thread of its own."""
+        """Load the model (self.engine_config). MLC's reload() waits inside C++ until the background loop has
+        loaded the model; when loading throws, the exception ends the loop thread and reload() would wait
+        forever, so it runs in a thread of its own while this one watches both."""
+        if self._closed or self._broken is not None or self._loop_failed.is_set():
+            self._check_usable()
+        self._log = _Log()   # the reasons for this load: records from here on
         box: dict[str, BaseException] = {}
         done = threading.Event()
         config = json.dumps(self.engine_config)
