@@ -34,7 +34,7 @@ export TRANSFORMERS_OFFLINE := 1
 export MODEL TARGET QUANT OUT PHONE FORCE_CPU PROMPT RUN_TARGET RUN_QUANT MAX_NEW_TOKENS RPC TRIALS KERNELS \
        CALIB KV RELEASE RELEASE_OUT MATRIX BUNDLE
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash llamacpp release release-matrix
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash llamacpp release release-matrix mlc-engine
 
 setup: $(STAMP)
 
@@ -105,8 +105,14 @@ tune: $(STAMP)
 
 # ruff, and the import contract of pyproject.toml [tool.importlinter] (layers from cli down to the ground floor).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pipeline tests benchmarks
+	$(VENV)/bin/ruff check pipeline tests benchmarks clients
 	$(VENV)/bin/lint-imports
+
+# MLC-LLM's C++ serving engine (vendor archives in ../shared/vendor or MLC_VENDOR_DIR) compiled as a client of our
+# bundles into .cache/mlc-engine/<key>/libmlc_llm_client.so (reused while its inputs are unchanged; a few minutes
+# on 2 cores otherwise). Driven from Python by clients/mlc_engine/client.py; docs/mlc-engine.md.
+mlc-engine: $(STAMP)
+	$(PY) clients/mlc_engine/build.py
 
 # Benchmarks (not tests). BENCH_ARGS=--quick for a few minutes; results in benchmarks/results/.
 BENCH_ARGS ?=
