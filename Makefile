@@ -34,7 +34,7 @@ export TRANSFORMERS_OFFLINE := 1
 export MODEL TARGET QUANT OUT PHONE FORCE_CPU PROMPT RUN_TARGET RUN_QUANT MAX_NEW_TOKENS RPC TRIALS KERNELS \
        CALIB KV RELEASE RELEASE_OUT MATRIX BUNDLE
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash llamacpp release release-matrix mlc-engine
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash llamacpp release release-matrix mlc-engine conformance bench-mlc-engine
 
 setup: $(STAMP)
 
@@ -113,6 +113,17 @@ lint: $(STAMP)
 # on 2 cores otherwise). Driven from Python by clients/mlc_engine/client.py; docs/mlc-engine.md.
 mlc-engine: $(STAMP)
 	$(PY) clients/mlc_engine/build.py
+
+# MLC's engine serves our bundles (clients/mlc_engine/conformance.py): the served answer and the first 32 greedy
+# ids vs `pipeline run`, 4 concurrent requests vs alone, a tiny Qwen3.5 hybrid vs transformers, ternary / q8
+# bundles, and `pipeline check` on every phone target's bundle. Needs `make mlc-engine` first.
+conformance: $(STAMP)
+	$(PY) -m clients.mlc_engine.conformance --dist "$$OUT"
+
+# Decode tok/s of the host-cpu bundle served by MLC's engine vs `pipeline run`, side by side (a ratio).
+bench-mlc-engine: $(STAMP)
+	$(PY) -m pipeline build --model smollm2-135m --target host-cpu --quant q4f16 --out "$$OUT"
+	$(PY) benchmarks/mlc_engine_speed.py --bundle "$$OUT/smollm2-135m-q4f16-host-cpu"
 
 # Benchmarks (not tests). BENCH_ARGS=--quick for a few minutes; results in benchmarks/results/.
 BENCH_ARGS ?=

@@ -2,7 +2,7 @@
 
 host-cpu: a shared object the runner loads. Phone targets: a system-lib `.tar` of objects (host code
 for aarch64 + embedded device kernels), which MLC's Android/iOS packaging links into the app, with
-the system-lib prefix `<model_type>_<quant>_` so several models can live in one binary.
+the system-lib prefix `<model>_<quant>_` (stages.system_lib_prefix) so several models can live in one binary.
 """
 
 from __future__ import annotations
