@@ -154,6 +154,66 @@ def with_kv_config_fields(mod: Any, fields: int) -> Any:
     return CutConfig(mod).run()
 
 
+LANES = 16   # independent running maxima / sums of the CPU softmax (a serial chain per lane, vectorized across lanes)
+
+
+def _softmax_cpu(vocab: int):
+    """softmax_with_temperature for CPU targets: one pass for the row's max (LANES partial maxima, vectorized), then
+    either the one-hot of a greedy row (no exp at all: the engine samples greedily at temperature 0, its
+    default) or exp / sum / scale. Rows run in parallel."""
+    body, tail = vocab // LANES * LANES, vocab % LANES
+    eps = GREEDY_TEMPERATURE
+
+    @T.prim_func
+    def softmax_cpu_kernel(logits_h: T.handle, temperature_h: T.handle, probs_h: T.handle):
+        batch = T.int64()
+        logits = T.match_buffer(logits_h, (batch, 1, vocab), "float32")
+        temperature = T.match_buffer(temperature_h, (batch,), "float32")
+        probs = T.match_buffer(probs_h, (batch, 1, vocab), "float32")
+        for b in T.parallel(batch):
+            part = T.alloc_local((LANES,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            for lane in T.vectorized(LANES):
+                part[lane] = T.min_value("float32")
+            for blk in range(body // LANES):
+                for lane in T.vectorized(LANES):
+                    part[lane] = T.max(part[lane], logits[b, 0, blk * LANES + lane])
+            acc[0] = part[0]
+            for lane in range(1, LANES):
+                acc[0] = T.max(acc[0], part[lane])
+            for r in range(tail):
+                acc[0] = T.max(acc[0], logits[b, 0, body + r])
+            if temperature[b] <= T.float32(eps):
+                for blk in range(body // LANES):
+                    for lane in T.vectorized(LANES):
+                        probs[b, 0, blk * LANES + lane] = T.Select(logits[b, 0, blk * LANES + lane] == acc[0],
+                                                                   T.float32(1), T.float32(0))
+                for r in range(tail):
+                    probs[b, 0, body + r] = T.Select(logits[b, 0, body + r] == acc[0], T.float32(1), T.float32(0))
+            else:
+                inv = T.float32(1) / temperature[b]
+                for lane in T.vectorized(LANES):
+                    part[lane] = T.float32(0)
+                for blk in range(body // LANES):
+                    for lane in T.vectorized(LANES):
+                        probs[b, 0, blk * LANES + lane] = T.exp((logits[b, 0, blk * LANES + lane] - acc[0]) * inv)
+                        part[lane] = part[lane] + probs[b, 0, blk * LANES + lane]
+                for r in range(tail):
+                    probs[b, 0, body + r] = T.exp((logits[b, 0, body + r] - acc[0]) * inv)
+                    part[0] = part[0] + probs[b, 0, body + r]
+                total = T.alloc_local((1,), "float32")
+                total[0] = T.float32(0)
+                for lane in range(LANES):
+                    total[0] = total[0] + part[lane]
+                for blk in range(body // LANES):
+                    for lane in T.vectorized(LANES):
+                        probs[b, 0, blk * LANES + lane] = probs[b, 0, blk * LANES + lane] / total[0]
+                for r in range(tail):
+                    probs[b, 0, body + r] = probs[b, 0, body + r] / total[0]
+
+    return _finish(softmax_cpu_kernel, False)
+
+
 class EngineFunctions:
     """Mixin for a model nn.Module with `cfg` (hidden_size, vocab_size, prefill_chunk_size) and `dtype`: the
     engine's buffer allocator and logit processor, and their export spec."""
@@ -183,6 +243,9 @@ class EngineFunctions:
                                        [logits, seq_ids, bitmask], [0], Tensor.placeholder(logits.shape, "float32"))
 
     def softmax_with_temperature(self, logits: Tensor, temperature: Tensor) -> Tensor:
+        if not self._gpu_kernels:
+            return op.tensor_ir_op(_softmax_cpu(self.cfg.vocab_size), "softmax_cpu_kernel", [logits, temperature],
+                                   Tensor.placeholder(logits.shape, "float32"))
         return op.tensor_expr_op(_softmax_with_temperature, "softmax_with_temperature_kernel", [logits, temperature])
 
     def engine_spec(self) -> dict[str, Any]:
