@@ -304,7 +304,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         write_coverage(coverage, tmp)
         chunk, batch = meta["prefill_chunk_size"], meta["max_batch_size"]
         meta["memory_usage"] = memory_usage(mod, {"seq_len": chunk, "batch_size": batch, "num_seq": batch}, chunk)
-        engine_abi = {"runtime": target.runtime, "device": target.device,
+        engine_abi = {"runtime": target.runtime, "device": target.device, "target_kind": target.tvm_target.get("kind"),
                       "kv_cache_config_fields": kv_cache_config_fields(defined.mod),
                       "functions": function_signatures(defined.mod)}
         info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report, extra={"engine_abi": engine_abi})

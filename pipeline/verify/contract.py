@@ -88,10 +88,14 @@ def _check_kv_fields(abi: dict[str, Any], spec: RuntimeSpec, result: CheckResult
             f"runtime {spec.name} takes {spec.kv_cache_config_fields} (rebuild with --runtime {spec.name})")
 
 
-def _applies(entry: dict[str, Any], meta: dict[str, Any], device: str) -> bool:
+GPU_SAMPLER_KINDS = ("cuda", "vulkan", "metal")   # where MLC's engine samples on the device (Sampler::SupportGPUSampler)
+
+
+def _applies(entry: dict[str, Any], meta: dict[str, Any], kind: str) -> bool:
     when = entry.get("when", "all")
     hybrid = meta.get("kv_state_kind") == "hybrid"
-    return {"all": True, "hybrid": hybrid, "dense": not hybrid, "gpu": device == "gpu"}.get(when, False)
+    return {"all": True, "hybrid": hybrid, "dense": not hybrid,
+            "gpu_sampler": kind in GPU_SAMPLER_KINDS}.get(when, False)
 
 
 def _check_functions(functions: dict[str, Any], meta: dict[str, Any], spec: RuntimeSpec, build: dict[str, Any],
@@ -100,10 +104,10 @@ def _check_functions(functions: dict[str, Any], meta: dict[str, Any], spec: Runt
     vocab = model.get("vocab_size")
     sizes = {"h": model.get("hidden_size"), "V": vocab, "C": meta.get("prefill_chunk_size"),
              "W": math.ceil(vocab / 32) if vocab else None}
-    device = (build.get("engine_abi") or {}).get("device", "cpu")
+    kind = (build.get("engine_abi") or {}).get("target_kind", "llvm")
     n = 0
     for key, entry in spec.functions.items():
-        if not _applies(entry, meta, device):
+        if not _applies(entry, meta, kind):
             continue
         name = entry.get("name", key)
         got = functions.get(name)
