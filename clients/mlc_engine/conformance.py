@@ -8,7 +8,8 @@ Checks, each printed with what was measured:
    engine batches them: batch_prefill / batch_decode at batch > 1);
 3. a tiny Qwen3.5 hybrid bundle made here (random weights, word tokenizer): 32 greedy ids equal transformers';
 4. ternary_ptq and q8f16 bundles load and decode (their ids equal our runner's);
-5. bundles of the phone targets (android-adreno, android-cpu, ios-metal, android-hexagon) pass `pipeline check`.
+5. the default release's mlc-app-config.json / libmodel_*.a follow MLC's packaging rules;
+6. bundles of the phone targets (android-adreno, android-cpu, ios-metal, android-hexagon) pass `pipeline check`.
 
 Exit 1 on the first failed check, with what differed. `--quick` runs 1 and 2 only.
 """
@@ -190,6 +191,39 @@ def check_phone_bundles(dist: Path) -> None:
         raise Failed(f"{', '.join(failed)} do(es) not satisfy the runtime contract (see above)")
 
 
+def check_release_packaging(dist: Path, work: Path) -> None:
+    """configs/release/default.yaml packaged: MLC's app-config rules (a model_url per Android entry, one model_lib
+    per model, each model_lib's system-lib symbol in the merged static library)."""
+    import json
+    import subprocess
+
+    from pipeline.commands.release import LIBRARY_SYMBOL, NM_CANDIDATES, _tool, load_release, make_release
+    from pipeline.progress import Reporter
+
+    out = make_release(load_release("default"), out=work / "release", dist=dist, report=Reporter(quiet=True))
+    problems = []
+    for config in sorted(out.glob("*/mlc-app-config.json")):
+        target = config.parent.name
+        entries = json.loads(config.read_text())["model_list"]
+        libs = [e["model_lib"] for e in entries]
+        if len(set(libs)) != len(libs):
+            problems.append(f"{target}: model_lib not unique: {libs}")
+        static = sorted((config.parent / "lib").glob("*.a"))
+        symbols = ""
+        if static:
+            symbols = subprocess.run([_tool(NM_CANDIDATES, "LLVM_NM"), "--defined-only", "--just-symbol-name",
+                                      str(static[0])], capture_output=True, text=True, check=True).stdout
+        for e in entries:
+            if target.startswith("android") and not str(e.get("model_url", "")).startswith("https://"):
+                problems.append(f"{target}: {e['model_id']} has no model_url")
+            if static and LIBRARY_SYMBOL.format(prefix=f"{e['model_lib']}_") not in symbols.split():
+                problems.append(f"{target}: {static[0].name} has no symbol for model_lib {e['model_lib']}")
+        _say(f"  {target}: {len(entries)} models, model_lib {', '.join(libs)}"
+             f"{', static library ' + static[0].name if static else ''}")
+    if problems:
+        raise Failed("; ".join(problems))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dist", default="dist", help="where the bundles are built (default: dist)")
@@ -214,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                 check_hybrid(lib, Path(work))
             _say("4. ternary_ptq and q8f16")
             check_other_schemes(lib, dist)
-            _say("5. phone targets against the runtime contract")
+            _say("5. the release's app packaging (configs/release/default.yaml)")
+            with tempfile.TemporaryDirectory() as work:
+                check_release_packaging(dist, Path(work))
+            _say("6. phone targets against the runtime contract")
             check_phone_bundles(dist)
     except Failed as err:
         print(f"conformance FAILED: {err}", file=sys.stderr)
