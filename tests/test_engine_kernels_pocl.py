@@ -103,3 +103,56 @@ def test_gdn_segments_on_pocl():
         np.testing.assert_allclose(o[rows], o_ref, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(s[i], s_ref, rtol=1e-4, atol=1e-5)
         start += length
+
+
+def _probs(rows: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).normal(0, 2, (rows, V))
+    p = np.exp(x - x.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)).astype("float32")
+
+
+def test_gpu_sampler_on_pocl():
+    """MLC's device-side sampling (Metal / Vulkan) as OpenCL C: sorting, multinomial and top-p draws against numpy
+    with the same uniform numbers."""
+    from pipeline.models import gpu_sampler
+
+    probs = _probs(3, 5)
+    probs[1, [3, 700]] = probs[1, 500]            # ties: a stable descending sort keeps their order
+    vals, idx = probs.copy(), np.zeros(probs.shape, "int32")
+    for i, kernel in enumerate(gpu_sampler.argsort_passes(V)):
+        out_v, out_i = np.zeros_like(vals), np.zeros_like(idx)
+        run_on_pocl(opencl_kernels(kernel, ADRENO), "main", [vals, idx, out_v, out_i])
+        vals, idx = out_v, out_i
+        assert i < 10
+    want = np.argsort(-probs, axis=1, kind="stable").astype("int32")
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(vals, np.take_along_axis(probs, want, axis=1))
+
+    u = np.array([0.0, 0.37, 0.999, 0.5], "float32")
+    rows = np.array([0, 1, 2, 2], "int32")
+    got = np.zeros(4, "int32")
+    run_on_pocl(opencl_kernels(gpu_sampler.multinomial_from_uniform(V), ADRENO), "main", [probs, u, rows, got])
+    cum = np.cumsum(probs.astype(np.float64), axis=1)
+    want = [int(np.searchsorted(cum[r], x, side="right")) for r, x in zip(rows, u, strict=True)]
+    assert got.tolist() == want
+
+    top_p = np.array([0.9, 1e-5, 0.5], "float32")   # row 1: greedy (the engine's top_p floor)
+    got = np.zeros(4, "int32")
+    run_on_pocl(opencl_kernels(gpu_sampler.sample_with_top_p(V), ADRENO), "main", [vals, idx, u, rows, top_p, got])
+    expect = []
+    for r, x in zip(rows, u, strict=True):
+        c = np.cumsum(vals[r].astype(np.float64))
+        kept = int(np.searchsorted(c, top_p[r], side="left")) + 1
+        k = min(int(np.searchsorted(c[:kept], x * c[kept - 1], side="right")), kept - 1)
+        expect.append(int(idx[r, k]))
+    assert got.tolist() == expect
+    assert got[1] == int(np.argmax(probs[1]))
+
+    ids = np.array([5, 6, 7, 8], "int32")
+    offsets = np.array([0 * V + 0, 0 * V + 1, 2 * V + 0], "int32")
+    p, top, top_ids = np.zeros(4, "float32"), np.zeros(3, "float32"), np.zeros(3, "int32")
+    run_on_pocl(opencl_kernels(gpu_sampler.sampler_take_probs(V), ADRENO), "main",
+                [probs, idx, rows, ids, offsets, p, top, top_ids])
+    np.testing.assert_array_equal(p, probs[rows, ids])
+    np.testing.assert_array_equal(top_ids, [idx[0, 0], idx[0, 1], idx[2, 0]])
+    np.testing.assert_array_equal(top, [vals[0, 0], vals[0, 1], vals[2, 0]])

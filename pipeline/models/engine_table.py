@@ -19,11 +19,14 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.script import tirx as T
 
+from pipeline.models import gpu_sampler
+
 KV_CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"   # the runtime builtin the KV cache calls
 
 GREEDY_TEMPERATURE = 1e-5   # at or below: the engine samples greedily (top_p 0), so probs are one-hot at the max
 
 
+GPU_SAMPLER_KINDS = ("cuda", "vulkan", "metal")   # where MLC's engine samples on the device (gpu_sampler.py)
 THREADS = 256   # work items per GPU block of the logit kernels (each item is one scattered read-modify-write)
 
 
@@ -248,6 +251,55 @@ class EngineFunctions:
                                    Tensor.placeholder(logits.shape, "float32"))
         return op.tensor_expr_op(_softmax_with_temperature, "softmax_with_temperature_kernel", [logits, temperature])
 
+    @property
+    def _samples_on_device(self) -> bool:
+        """MLC's engine samples on the device on these targets (Sampler::SupportGPUSampler), elsewhere on the host."""
+        target = getattr(self, "target", None)
+        return target is not None and target.kind.name in GPU_SAMPLER_KINDS
+
+    def multinomial_from_uniform(self, probs: Tensor, uniform_samples: Tensor, sample_indices: Tensor) -> Tensor:
+        return op.tensor_ir_op(gpu_sampler.multinomial_from_uniform(self.cfg.vocab_size), "multinomial_kernel",
+                               [probs, uniform_samples, sample_indices],
+                               Tensor.placeholder(sample_indices.shape, "int32"))
+
+    def argsort_probs(self, probs: Tensor) -> tuple[Tensor, Tensor]:
+        vals, idx = probs, op.zeros(probs.shape, "int32")   # the first pass writes the positions, reads no index
+        for i, kernel in enumerate(gpu_sampler.argsort_passes(self.cfg.vocab_size)):
+            vals, idx = op.tensor_ir_op(kernel, f"argsort_merge_{i}", [vals, idx],
+                                        [Tensor.placeholder(probs.shape, "float32"),
+                                         Tensor.placeholder(probs.shape, "int32")])
+        return vals, idx
+
+    def sample_with_top_p(self, sorted_probs: Tensor, sorted_indices: Tensor, uniform_samples: Tensor,
+                          sample_indices: Tensor, top_p: Tensor) -> Tensor:
+        return op.tensor_ir_op(gpu_sampler.sample_with_top_p(self.cfg.vocab_size), "top_p_kernel",
+                               [sorted_probs, sorted_indices, uniform_samples, sample_indices, top_p],
+                               Tensor.placeholder(sample_indices.shape, "int32"))
+
+    def sampler_take_probs(self, probs: Tensor, sorted_indices: Tensor, sample_indices: Tensor,
+                           sampled_token_ids: Tensor, top_prob_offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return op.tensor_ir_op(gpu_sampler.sampler_take_probs(self.cfg.vocab_size), "take_probs_kernel",
+                               [probs, sorted_indices, sample_indices, sampled_token_ids, top_prob_offsets],
+                               [Tensor.placeholder(sample_indices.shape, "float32"),
+                                Tensor.placeholder(top_prob_offsets.shape, "float32"),
+                                Tensor.placeholder(top_prob_offsets.shape, "int32")])
+
+    def _sampler_spec(self, f32, i32, none) -> dict[str, Any]:
+        if not self._samples_on_device:
+            return {}
+        v = self.cfg.vocab_size
+        return {
+            "multinomial_from_uniform": {"probs": f32("batch_size", v), "uniform_samples": f32("num_samples"),
+                                         "sample_indices": i32("num_samples"), **none},
+            "argsort_probs": {"probs": f32("batch_size", v), **none},
+            "sample_with_top_p": {"sorted_probs": f32("batch_size", v), "sorted_indices": i32("batch_size", v),
+                                  "uniform_samples": f32("num_samples"), "sample_indices": i32("num_samples"),
+                                  "top_p": f32("batch_size"), **none},
+            "sampler_take_probs": {"probs": f32("batch_size", v), "sorted_indices": i32("batch_size", v),
+                                   "sample_indices": i32("num_samples"), "sampled_token_ids": i32("num_samples"),
+                                   "top_prob_offsets": i32("num_positions"), **none},
+        }
+
     def engine_spec(self) -> dict[str, Any]:
         v = self.cfg.vocab_size
         none = {"$": {"param_mode": "none", "effect_mode": "none"}}
@@ -269,4 +321,5 @@ class EngineFunctions:
                                       "bitmask": i32("batch_size", (v + 31) // 32), **none},
             "softmax_with_temperature": {"logits": f32("batch_size", 1, v), "temperature": f32("batch_size"),
                                          **none},
+            **self._sampler_spec(f32, i32, none),
         }
