@@ -179,7 +179,8 @@ def test_repository_holds_no_vendored_source(vendor):
 def test_make_target_runs_the_build_script():
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
-    r = subprocess.run(["make", "-n", "-o", ".venv/.installed", "mlc-engine"], cwd=ROOT, capture_output=True,
+    r = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "mlc-engine"], cwd=ROOT,
+                       capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ".venv/bin/python clients/mlc_engine/build.py"

@@ -325,7 +325,8 @@ class DecoderLM(EngineFunctions, nn.Module):
             "batch_prefill": {"input_embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
                               "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
                               "paged_kv_cache": kv, **packed},
-            "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype),
+            # the b sequences' tokens are computed as one chunk: its size is the prefill kernels' seq_len
+            "batch_decode": {"input_embeds": nn.spec.Tensor(["seq_len", 1, h], self.dtype),
                              "paged_kv_cache": kv, **packed},
             "batch_verify": {"input_embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
                              "paged_kv_cache": kv, **packed},

@@ -518,7 +518,8 @@ class HybridLM(DecoderLM):
             "batch_prefill": {"input_embeds": nn.spec.Tensor([1, "seq_len", h], self.dtype),
                               "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
                               "paged_kv_cache": kv, "rnn_state": rnn, **packed},
-            "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, h], self.dtype),
+            # the b sequences' tokens are computed as one chunk: its size is the prefill kernels' seq_len
+            "batch_decode": {"input_embeds": nn.spec.Tensor(["seq_len", 1, h], self.dtype),
                              "paged_kv_cache": kv, "rnn_state": rnn, **packed},
             "create_tir_paged_kv_cache": kv_cache_spec(),
             "create_rnn_state": {"max_batch_size": int, "max_history": int,
