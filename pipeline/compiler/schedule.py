@@ -16,7 +16,7 @@ from tvm.s_tir import dlight as dl
 
 from pipeline.compiler.tuning import apply_record, workload_key
 from pipeline.errors import CompileError
-from pipeline.kernels.cpu.schedule import CPUInlineParallel
+from pipeline.kernels.cpu.schedule import CPUArmDot, CPUInlineParallel
 
 
 def _rules():
@@ -30,6 +30,7 @@ def _rules():
         "cpu_gemv": dl.cpu.GEMV,
         "cpu_reduction": dl.cpu.Reduction,
         "cpu_inline_parallel": CPUInlineParallel,
+        "cpu_arm_dot": CPUArmDot,
     }
 
 

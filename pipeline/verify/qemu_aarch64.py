@@ -10,6 +10,7 @@ are written back, so they can be compared with an x86 LLVM build of the same Pri
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tarfile
@@ -61,13 +62,15 @@ def link_harness(objects: list[Path], out: Path) -> Path:
 class AArch64Kernels:
     """The kernels of one aarch64 system-lib, callable from Python through qemu-aarch64."""
 
-    def __init__(self, harness: Path, prefix: str = ""):
+    def __init__(self, harness: Path, prefix: str = "", tasks: int = 0):
         self.harness = Path(harness)
         self.prefix = prefix
+        self.tasks = tasks   # tasks per parallel loop (the phone's threads); 0: the harness's default
 
     def _run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        env = {**os.environ, "HARNESS_TASKS": str(self.tasks)} if self.tasks else None
         return subprocess.run(["qemu-aarch64", str(self.harness), *args], capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env=env)
 
     def names(self) -> list[str]:
         """Kernel names as in the Relax module (system-lib and packed-call prefixes removed)."""

@@ -80,3 +80,14 @@ def has_vnni(target) -> bool:
 def host_threads(target) -> int:
     """`native_threads`, else 1 (a cross-compiled library is split for one thread)."""
     return native_threads(target) or 1
+
+
+def has_dotprod(target) -> bool:
+    """The target is AArch64 with the dotprod extension (sdot / udot: armv8.2-a+dotprod, phone cores from
+    2019 on; its -mattr or -mcpu): the sdot kernels (arm.py) apply."""
+    try:
+        return (target is not None and "llvm" in str(target.kind)
+                and str(target.attrs.get("mtriple", "") or "").startswith("aarch64")
+                and bool(codegen.target_has_features("dotprod", target)))
+    except Exception:  # noqa: BLE001 - not an AArch64 LLVM target
+        return False

@@ -20,6 +20,7 @@ from pipeline.kernels.cpu.packed import (
     FLOAT_NT_ROWS,
     FORMATS,
     LANES,
+    NK_FORMATS,
     ROLES,
     TILED_PACKED,
     TILED_Q8,
@@ -154,6 +155,71 @@ def match_packed_kn_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, i
     if k % spec.codes or n % LANES or by_role["codes"] != (k // spec.codes, n) or by_role["scales"] != (groups, n):
         return None
     return fmt, n, k, dtypes[roles.index("scales")], (*roles, "out")
+
+
+def _dequantizes_nk(block: SBlock, spec: PackedFormat, dtype: str) -> bool:
+    """`block` stores the fused TE's dequantize of NK `spec` codes in `dtype` (models/layers.py): (code -
+    offset) * scale for packed codes, code * scale for int8 ones, the scale widened when `dtype` is wider."""
+    store = block.body
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Mul) or _dtype(store.value) != dtype:
+        return False
+    code, scale = store.value.a, store.value.b
+    if not (_is_cast(scale, dtype) and isinstance(scale.value, _LOAD)) and not isinstance(scale, _LOAD):
+        return False
+    if spec.bits == 8:
+        return _is_cast(code, dtype) and isinstance(code.value, _LOAD)
+    offset = code.b if isinstance(code, tirx.Sub) else None
+    return isinstance(offset, tirx.FloatImm) and float(offset.value) == float(spec.offset)
+
+
+def match_packed_nk_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, int, int, str, str, tuple[str, ...]] | None:
+    """(format, N, K, activation dtype, scale dtype, the role of each parameter in order) when `func` is a fused
+    GEMV of NK codes (MLC's plain layout, android-cpu): blocks dequantize then matmul, codes uint32 [N, K /
+    codes per word] or int8 [N, K], scales [N, groups], x [1, 1, K] and out [1, 1, N] in one float dtype (the
+    target's compute dtype), out last. rows="prompt": x [1, m, K] and out [1, m, N] over one symbolic m (a
+    prefill)."""
+    found = blocks(func)
+    names = [b.name_hint for b in found]
+    fmt = next((f for f, spec in NK_FORMATS.items() if names == [spec.block, "matmul"]), None)
+    params = list(func.params)
+    if fmt is None or len(params) != 4:
+        return None
+    spec = NK_FORMATS[fmt]
+    act = str(params[-1].dtype)
+    if act not in ("float16", "float32") or not _dequantizes_nk(found[0], spec, act):
+        return None
+    shapes, row_vars = [], []
+    for p in params:
+        dims = []
+        for i, d in enumerate(p.shape):
+            if isinstance(d, tirx.IntImm):
+                dims.append(int(d))
+            elif rows == "prompt" and i == 1 and isinstance(d, tirx.Var) and len(p.shape) == 3:
+                dims.append(1)
+                row_vars.append(d)
+            else:
+                return None
+        shapes.append(tuple(dims))
+    if (rows == "prompt") != bool(row_vars) or (row_vars and (len(row_vars) != 2 or not row_vars[0].same_as(row_vars[1]))):
+        return None
+    out = shapes[-1]
+    if len(out) != 3 or out[:2] != (1, 1):
+        return None
+    n = out[2]
+    roles, by_role = [], {}
+    for p, shape in zip(params[:-1], shapes[:-1], strict=True):
+        dtype = str(p.dtype)
+        role = ("codes" if dtype == spec.code_dtype and len(shape) == 2 else
+                "x" if dtype == act and len(shape) == 3 and shape[:2] == (1, 1) else
+                "scales" if dtype in ("float16", "float32") and len(shape) == 2 else "")
+        roles.append(role)
+        by_role[role] = (shape, dtype)
+    if sorted(roles) != sorted(ROLES[:3]):
+        return None
+    k = by_role["x"][0][2]
+    if k % spec.codes or by_role["codes"][0] != (n, k // spec.codes) or by_role["scales"][0] != (n, -(-k // spec.group)):
+        return None
+    return fmt, n, k, act, by_role["scales"][1], (*roles, "out")
 
 
 def _nt_update(store: tirx.BufferStore):

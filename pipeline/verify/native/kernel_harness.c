@@ -60,7 +60,8 @@ int TVMBackendFreeWorkspace(int device_type, int device_id, void* ptr) {
 
 /* Parallel loops (e.g. pipeline/kernels/cpu/attention.py's kernels) call back through TVM's thread-pool ABI. The
  * harness runs the tasks one after another on this thread: with HARNESS_TASKS tasks (not one) so the
- * kernels' work split across tasks is exercised as it is on the phone. */
+ * kernels' work split across tasks is exercised as it is on the phone; the environment variable of that name
+ * sets another count (e.g. 1 and 4, to check that a kernel's result does not depend on the thread count). */
 typedef struct {
   void* sync_handle;
   int32_t num_task;
@@ -69,7 +70,9 @@ typedef int (*FTVMParallelLambda)(int task_id, TVMParallelGroupEnv* penv, void* 
 #define HARNESS_TASKS 3
 
 int TVMBackendParallelLaunch(FTVMParallelLambda flambda, void* cdata, int num_task) {
-  TVMParallelGroupEnv env = {NULL, num_task > 0 ? num_task : HARNESS_TASKS};
+  const char* tasks = getenv("HARNESS_TASKS");
+  int pool = tasks && atoi(tasks) > 0 ? atoi(tasks) : HARNESS_TASKS;
+  TVMParallelGroupEnv env = {NULL, num_task > 0 ? num_task : pool};
   for (int task = 0; task < env.num_task; ++task) {
     int rc = flambda(task, &env, cdata);
     if (rc != 0) return rc;

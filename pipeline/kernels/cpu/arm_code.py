@@ -1,0 +1,123 @@
+"""What the AArch64 code of a CPU library holds, read from its objects with llvm-objdump: per kernel, its
+`sdot` / `smmla` instructions and its hottest loop (the innermost backward branch around dot products), so a
+claim like "this GEMV uses sdot, ~0.37 instructions per weight" is read from what was emitted, never
+assumed from the schedule that was asked for.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+OBJDUMP_CANDIDATES = tuple(f"llvm-objdump-{v}" for v in range(21, 13, -1)) + ("llvm-objdump",)
+DECODE_ATTRS = "+dotprod,+fullfp16,+i8mm"   # so every extension the kernels may use is decoded
+DOT_MNEMONICS = ("sdot", "udot", "usdot", "smmla", "ummla", "usmmla")
+WEIGHTS_PER_DOT = 16   # byte products of one 128-bit sdot (smmla: 32, counted as two)
+
+_SYMBOL = re.compile(r"^[0-9a-f]+ <([^>]+)>:$")
+_INSN = re.compile(r"^\s*([0-9a-f]+):\s+(?:[0-9a-f]{8}|(?:[0-9a-f]{2} ){3}[0-9a-f]{2})\s+(\S+)\s*(.*)$")   # either byte style
+_BRANCH = re.compile(r"^(?:b(?:\.\w+)?|cbn?z|tbn?z)$")
+
+
+def find_objdump() -> str | None:
+    """llvm-objdump (any Debian llvm version), newest first; None when absent."""
+    return next((found for c in OBJDUMP_CANDIDATES if (found := shutil.which(c))), None)
+
+
+def disassemble(obj: Path, objdump: str) -> str:
+    proc = subprocess.run([objdump, "-d", f"--mattr={DECODE_ATTRS}", str(obj)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(objdump).name} -d {obj.name}: {proc.stderr.strip()[-300:]}")
+    return proc.stdout
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    mnemonic: str
+    operands: str
+
+    @property
+    def vector(self) -> bool:
+        """A SIMD&FP-register instruction on vectors (v registers, or q registers loaded / stored whole)."""
+        return bool(re.search(r"\bv\d+\.|\{ ?v\d+|\bq\d+\b", self.operands))
+
+    @property
+    def dot(self) -> int:
+        """Multiply-accumulate dot instructions it counts as (smmla: two sdot's work)."""
+        if self.mnemonic in ("smmla", "ummla", "usmmla"):
+            return 2
+        return int(self.mnemonic in DOT_MNEMONICS)
+
+
+def functions(disassembly: str) -> dict[str, list[Instruction]]:
+    """{symbol: its instructions in address order} of an llvm-objdump -d listing."""
+    out: dict[str, list[Instruction]] = {}
+    symbol = None
+    for line in disassembly.splitlines():
+        head = _SYMBOL.match(line.strip())
+        if head:
+            symbol = head.group(1)
+            out.setdefault(symbol, [])
+            continue
+        insn = _INSN.match(line)
+        if insn and symbol is not None:
+            out[symbol].append(Instruction(int(insn.group(1), 16), insn.group(2), insn.group(3)))
+    return out
+
+
+@dataclass(frozen=True)
+class LoopMix:
+    instructions: int
+    vector: int
+    dots: int
+
+    @property
+    def per_weight(self) -> float:
+        """Instructions per weight of the loop: each sdot multiplies 16 weights by 16 activations."""
+        return self.instructions / (self.dots * WEIGHTS_PER_DOT) if self.dots else float("inf")
+
+
+def hot_loop(code: list[Instruction]) -> LoopMix | None:
+    """The innermost loop holding dot instructions (a backward branch whose body has them, the shortest such
+    body), or None when the function has none."""
+    best = None
+    for i, insn in enumerate(code):
+        if not _BRANCH.match(insn.mnemonic):
+            continue
+        target = re.search(r"0x([0-9a-f]+)", insn.operands) or re.search(r"\b([0-9a-f]+) <", insn.operands)
+        if target is None:
+            continue
+        start = int(target.group(1), 16)
+        if start > insn.address:
+            continue
+        body = [c for c in code[: i + 1] if c.address >= start]
+        dots = sum(c.dot for c in body)
+        if dots and (best is None or len(body) < best.instructions):
+            best = LoopMix(len(body), sum(c.vector for c in body), dots)
+    return best
+
+
+def kernel_of(symbol: str) -> str:
+    """The kernel a code symbol belongs to: TVM emits `__tvm_ffi_<sym>` (the packed-call wrapper) and
+    `<sym>_compute_` (the body, parallel lambdas included)."""
+    return symbol.removeprefix("__tvm_ffi_").removesuffix("_compute_")
+
+
+def dot_kernels(objects: list[Path], objdump: str, prefix: str = "") -> dict[str, dict[str, float]]:
+    """{kernel (system-lib prefix removed): {"dot_instructions", "loop_instructions", "loop_vector",
+    "instructions_per_weight"}} for every kernel of `objects` whose code holds a dot instruction."""
+    out: dict[str, dict[str, float]] = {}
+    for obj in objects:
+        for symbol, code in functions(disassemble(obj, objdump)).items():
+            dots = sum(c.dot for c in code)
+            loop = hot_loop(code)
+            if not dots or loop is None:
+                continue
+            name = kernel_of(symbol).removeprefix(prefix)
+            out[name] = {"dot_instructions": dots, "loop_instructions": loop.instructions,
+                         "loop_vector": loop.vector, "instructions_per_weight": round(loop.per_weight, 3)}
+    return out

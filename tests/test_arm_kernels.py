@@ -1,0 +1,139 @@
+"""android-cpu's sdot kernels (pipeline/kernels/cpu/arm.py): executed under qemu-aarch64 against numpy, their
+object code disassembled, and chosen for every NK q4 / q8 / t2 dequantize-matmul of an android-cpu build.
+
+Each kernel is built for aarch64 (+dotprod) into one system-lib object, linked with the project's C harness
+(pipeline/verify/native/kernel_harness.c) and run on random codes, fp16 scales and activations. Tolerances:
+against a numpy emulation of the kernel's own arithmetic (x quantized to int8 per block as the kernel does,
+exact integer group sums, fp64 afterwards) within 4 fp16 ulps of the output's scale (fp16 outputs: the kernel
+rounds its fp32 sum once) or 1e-5 (fp32 outputs); against the exact fp64 product of the dequantized weights
+within 2% of the output's scale (the int8 activations: half a step of a block's largest |x| per value,
+llama.cpp's Q8_0 precision); and bit-identical with 1 and 4 tasks per parallel loop (each output row is one
+task's, whatever the thread count).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm.support import tar
+
+from pipeline.kernels.cpu.arm import Q_MAX, dot_layout, nk_dot_kernel
+from pipeline.kernels.cpu.arm_code import dot_kernels, find_objdump
+from pipeline.kernels.cpu.packed import NK_FORMATS
+from pipeline.verify.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
+
+pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian packages {missing_tools()} (`make system-deps`)")
+
+TARGET = {"kind": "llvm", "mtriple": "aarch64-linux-android", "mattr": ["+neon", "+fullfp16", "+dotprod"]}
+# name: (format, N, K, activation dtype, prompt); SmolLM2's shapes (K = 576 / 1536; t2's last group of 64)
+CASES = {
+    "q4_576x576": ("q4", 576, 576, "float16", False),
+    "q4_576x1536": ("q4", 576, 1536, "float16", False),
+    "q4_fp32": ("q4", 64, 256, "float32", False),
+    "q8_960x576": ("q8", 960, 576, "float16", False),
+    "t2_576x576": ("t2", 576, 576, "float16", False),
+    "t2_256x512": ("t2", 256, 512, "float16", False),
+    "q4_prompt": ("q4", 192, 576, "float16", True),
+    "q8_prompt": ("q8", 128, 576, "float16", True),
+    "t2_prompt": ("t2", 128, 576, "float16", True),
+}
+PROMPT_ROWS = 5
+FP16_ULP = 2.0 ** -10
+INT8_X_TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(kernels with 1 task per parallel loop, with 4, the library's objects)."""
+    out = tmp_path_factory.mktemp("arm")
+    funcs = {name: nk_dot_kernel(NK_FORMATS[f], n, k, act, "float16", prompt).with_attr("global_symbol", name)
+             for name, (f, n, k, act, prompt) in CASES.items()}
+    mod = tvm.IRModule(funcs).with_attr("system_lib_prefix", "arm_")
+    tvm.tirx.build(mod, target=tvm.target.Target(TARGET)).export_library(str(out / "lib.tar"), fcompile=tar.tar)
+    objects = library_objects(out / "lib.tar", out / "objects")
+    harness = link_harness(objects, out / "harness")
+    return AArch64Kernels(harness, tasks=1), AArch64Kernels(harness, tasks=4), objects
+
+
+def _inputs(fmt: str, n: int, k: int, act: str, rows: int, rng):
+    spec = NK_FORMATS[fmt]
+    if spec.bits == 8:
+        codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    else:
+        codes = rng.integers(0, 2**32, (n, k // spec.codes), dtype=np.uint64).astype(np.uint32)
+    scales = (rng.standard_normal((n, -(-k // spec.group))) * 0.02).astype(np.float16)
+    x = rng.standard_normal((1, rows, k)).astype(act)
+    return [codes, scales, x, np.zeros((1, rows, n), act)]
+
+
+def _values(fmt: str, codes: np.ndarray, k: int) -> np.ndarray:
+    """Integer weight values (code - offset) [N, K]."""
+    spec = NK_FORMATS[fmt]
+    if spec.bits == 8:
+        return codes.astype(np.int64)
+    fields = (codes[:, :, None] >> (spec.bits * np.arange(spec.codes, dtype=np.uint32))) & ((1 << spec.bits) - 1)
+    return fields.reshape(codes.shape[0], -1)[:, :k].astype(np.int64) - spec.offset
+
+
+def _exact(fmt: str, codes, scales, x) -> np.ndarray:
+    k = x.shape[-1]
+    group = NK_FORMATS[fmt].group
+    weights = _values(fmt, codes, k) * np.repeat(scales.astype(np.float64), group, axis=1)[:, :k]
+    return x[0].astype(np.float64) @ weights.T
+
+
+def _emulated(fmt: str, codes, scales, x) -> np.ndarray:
+    """The kernel's arithmetic: x rounded to int8 per block of the weight group (step max|x| / 127, in fp32
+    as the kernel computes it), exact integer group sums, then scale * step per group."""
+    k, group = x.shape[-1], NK_FORMATS[fmt].group
+    values = _values(fmt, codes, k)
+    out = np.zeros((x.shape[1], codes.shape[0]))
+    for r in range(x.shape[1]):
+        xf = x[0, r].astype(np.float32)
+        for g in range(-(-k // group)):
+            block = xf[g * group:(g + 1) * group]
+            amax = np.float32(np.abs(block).max())
+            inv = np.float32(Q_MAX) / amax if amax > 0 else np.float32(0)
+            q = np.rint(block * inv).astype(np.int64)
+            step = np.float64(amax * np.float32(1.0 / Q_MAX))
+            sums = values[:, g * group:g * group + len(block)] @ q
+            out[r] += sums * scales[:, g].astype(np.float64) * step
+    return out
+
+
+def test_dot_layout_is_a_permutation_of_each_group():
+    for fmt in ("q4", "q8", "t2"):
+        group = NK_FORMATS[fmt].group
+        assert sorted(dot_layout(NK_FORMATS[fmt], j) for j in range(group)) == list(range(group)), fmt
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sdot_kernel_matches_numpy_under_qemu(built, name):
+    one_task, four_tasks, _ = built
+    fmt, n, k, act, prompt = CASES[name]
+    args = _inputs(fmt, n, k, act, PROMPT_ROWS if prompt else 1, np.random.default_rng(len(name)))
+    got = one_task.call(name, args)[-1]
+    assert np.array_equal(got, four_tasks.call(name, args)[-1]), "result depends on the task count"
+    got = got[0].astype(np.float64)
+    emulated, exact = _emulated(fmt, *args[:3]), _exact(fmt, *args[:3])
+    scale = np.abs(exact).max()
+    own = np.abs(got - emulated).max() / scale
+    total = np.abs(got - exact).max() / scale
+    print(f"\n{name}: vs emulation {own:.2e}, vs exact fp64 {total:.2e} (of the output's scale)")
+    assert own <= (4 * FP16_ULP if act == "float16" else 1e-5), own
+    assert total <= INT8_X_TOLERANCE, total
+
+
+def test_gemv_objects_use_sdot_in_a_vector_loop(built):
+    """Read from the object: every kernel's hottest loop is sdot-based and mostly vector instructions."""
+    objdump = find_objdump()
+    if objdump is None:
+        pytest.skip("needs llvm-objdump (Debian llvm)")
+    found = dot_kernels(built[2], objdump)
+    assert set(found) == set(CASES), sorted(found)
+    for name, mix in sorted(found.items()):
+        print(f"{name}: {mix['dot_instructions']} sdot, hot loop {mix['loop_instructions']} instructions "
+              f"({mix['loop_vector']} vector), {mix['instructions_per_weight']} per weight")
+        assert mix["loop_vector"] >= 0.75 * mix["loop_instructions"], (name, mix)
+        assert mix["instructions_per_weight"] <= 0.5, (name, mix)
