@@ -83,3 +83,27 @@ def test_float_decode_gemvs_get_the_hand_written_kernel(loaded):
         func = kernels[name]
         assert rules[name] == "cpu_inline_parallel" and not block_names(func), name
         assert func.attrs and str(func.attrs.get(OP_CLASS_ATTR)) == "gemv", name
+
+
+NK_DEQUANT = re.compile(r"fused_dequantize_(q4|q8|t2)_nk\d*_matmul\d*")
+
+
+@pytest.mark.parametrize("quant,formats", [("q4f16", {"q4"}), ("q8f16", {"q8"}), ("ternary_ptq", {"t2", "q8"})])
+def test_android_cpu_dequant_matmuls_get_the_sdot_kernel(loaded, quant, formats):
+    """android-cpu (NK codes, fp16 compute, +dotprod): every decode GEMV and prefill matmul of NK q4 / q8 / t2
+    codes is arm.py's sdot kernel under the rule cpu_arm_dot (its op class declared, no TIR blocks left, the
+    sdot intrinsic in its body); without dotprod in the target none is."""
+    target = load_target("android-cpu")
+    mod, records = tune(fuse(define(loaded, load_quant(quant), target), target), target)
+    rules = {r.name: r.rule for r in records}
+    kernels = _kernels(mod, NK_DEQUANT)
+    assert {NK_DEQUANT.fullmatch(name).group(1) for name in kernels} == formats
+    classes = [str(f.attrs[OP_CLASS_ATTR]) for f in kernels.values() if f.attrs and OP_CLASS_ATTR in f.attrs]
+    assert len(classes) == len(kernels) and sum(c.startswith("dequant-gemv") for c in classes) == len(kernels) // 2
+    for name, func in kernels.items():
+        assert rules[name] == "cpu_arm_dot" and not block_names(func), name
+        assert "llvm.aarch64.neon.sdot" in func.script(), name
+    assert {r for n, r in rules.items() if n not in kernels} <= {"cpu-default", "library"}   # library: TVM pre-scheduled
+    plain = dataclasses.replace(target, tvm_target={**target.tvm_target, "mattr": ["+neon", "+fullfp16"]})
+    _, records = tune(fuse(define(loaded, load_quant(quant), plain), plain), plain)
+    assert "cpu_arm_dot" not in {r.rule for r in records}
