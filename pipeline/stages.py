@@ -67,7 +67,7 @@ from pipeline.quant.auto_plan import auto_markdown, plan_auto
 from pipeline.quant.calibrate import Calibration
 from pipeline.quant.memory_plan import memory_plan, modes_for_scheme, plan_markdown
 from pipeline.quant.resumable import convert_weights
-from pipeline.report.coverage import coverage_report, write_coverage
+from pipeline.report.coverage import add_dot_code, coverage_report, write_coverage
 from pipeline.report.html import write_coverage_html
 from pipeline.verify.execution import record_execution, verify_mode
 
@@ -301,13 +301,15 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         mod, regions = backend.finish(mod)   # after the report: it lists the kernels, not the regions
         if regions is not None:
             coverage["cpu_regions"] = regions
-        write_coverage(coverage, tmp)
         chunk, batch = meta["prefill_chunk_size"], meta["max_batch_size"]
         meta["memory_usage"] = memory_usage(mod, {"seq_len": chunk, "batch_size": batch, "num_seq": batch}, chunk)
         engine_abi = {"runtime": target.runtime, "device": target.device, "target_kind": target.tvm_target.get("kind"),
                       "kv_cache_config_fields": kv_cache_config_fields(defined.mod),
                       "functions": function_signatures(defined.mod)}
         info = compile_library(mod, meta, schedules, backend, prefix, key, tmp, report, extra={"engine_abi": engine_abi})
+        if "dot_code" in info:   # read from the compiled objects: which kernels really run sdot
+            add_dot_code(coverage, info["dot_code"])
+        write_coverage(coverage, tmp)
         write_entry_manifest(tmp)   # last: a later build reuses the entry only when it matches
     return out, info
 

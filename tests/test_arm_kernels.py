@@ -137,3 +137,24 @@ def test_gemv_objects_use_sdot_in_a_vector_loop(built):
               f"({mix['loop_vector']} vector), {mix['instructions_per_weight']} per weight")
         assert mix["loop_vector"] >= 0.75 * mix["loop_instructions"], (name, mix)
         assert mix["instructions_per_weight"] <= 0.5, (name, mix)
+
+
+def test_library_dot_code_and_its_coverage_lines(built, tmp_path):
+    """The build's reading of a library (compiler/backend.dot_code -> build.json -> coverage): every sdot kernel
+    found with its loop, and the coverage summary says how many quantized matmuls run sdot and which do not."""
+    from pipeline.kernels.cpu.arm_code import library_dot_code
+    from pipeline.report.coverage import _dot_code_line, add_dot_code
+
+    if find_objdump() is None:
+        pytest.skip("needs llvm-objdump (Debian llvm)")
+    tar_path = built[2][0].parent.parent / "lib.tar"
+    code = library_dot_code(tar_path, "")
+    assert set(code["kernels"]) == set(CASES)
+    rows = [{"name": name, "op_class": "dequant-gemv"} for name in CASES] + [
+        {"name": "scalar_gemv", "op_class": "dequant-gemv"}, {"name": "rms_norm", "op_class": "rmsnorm"}]
+    report = {"kernels": rows, "summary": {}}
+    add_dot_code(report, code)
+    summary = report["summary"]["dot_code"]
+    assert (summary["quantized_matmuls"], summary["with_dot"], summary["without_dot"]) == (len(CASES) + 1, len(CASES), ["scalar_gemv"])
+    assert rows[0]["dot_code"]["dot_instructions"] > 0 and "dot_code" not in rows[-1]
+    assert f"{len(CASES)} of {len(CASES) + 1} quantized matmul kernels run sdot" in _dot_code_line(summary)

@@ -17,6 +17,7 @@ from tvm import relax
 
 from pipeline.compiler.schedule import KernelSchedule, schedule_module
 from pipeline.config import TargetSpec
+from pipeline.kernels.cpu.arm_code import library_dot_code
 from pipeline.kernels.cpu.probe import build_threads
 from pipeline.kernels.cpu.regions import merge_regions
 from pipeline.kernels.npu.hexagon import build_npu_library, find_objdump, partition, placement_lines
@@ -57,6 +58,13 @@ class Backend:
                         report: Reporter) -> dict[str, str]:
         """Libraries beside the main one ({build.json key: file name})."""
         return {}
+
+    def dot_code(self, library: Path, prefix: str) -> dict[str, Any] | None:
+        """For an AArch64 system-lib `.tar`: which kernels run dot-product instructions (sdot / smmla) and their
+        hot loops' instructions per weight, read from its objects (kernels/cpu/arm_code.py); None otherwise."""
+        if not str(self.spec.tvm_target.get("mtriple", "")).startswith("aarch64") or library.suffix != ".tar":
+            return None
+        return library_dot_code(library, prefix)
 
 
 class GpuBackend(Backend):

@@ -179,6 +179,9 @@ def compile_library(mod: Any, meta: dict[str, Any], schedules: list[Any], backen
                          **({"reason": s.reason} if s.reason else {}),
                          **({"hvx_instructions": s.hvx_instructions} if s.hvx_instructions is not None else {})}
                         for s in schedules]}
+    dots = backend.dot_code(lib, prefix)
+    if dots is not None:
+        info["dot_code"] = dots
     info.update(backend.extra_libraries(mod, schedules, prefix, tmp, report))
     info.update(extra or {})
     (tmp / "build.json").write_text(json.dumps(info, indent=1, sort_keys=True))

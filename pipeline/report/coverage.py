@@ -484,6 +484,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Executed here: {e['executed']} of {s['kernels']} kernels ({e['how']}); "
                   f"{e['not_executed']} compiled, not executed (reason per kernel below)."
                   + (f" MISMATCH vs LLVM: {', '.join(e['mismatched'])}." if e["mismatched"] else "")]
+    if "dot_code" in s:
+        lines += ["", _dot_code_line(s["dot_code"])]
     big = report.get("largest_parameter")
     if big and big.get("max_buffer_bytes"):
         lines += ["", f"Largest single tensor: `{big['name']}`, {_fmt_bytes(big['bytes'])} "
@@ -524,6 +526,38 @@ def to_markdown(report: dict[str, Any]) -> str:
                      + (f" {r.get('executed', '')} |" if executed else "")
                      + (f" {r.get('reason', '')} |" if reasons else ""))
     return "\n".join(lines) + "\n"
+
+
+def add_dot_code(report: dict[str, Any], dot_code: dict[str, Any]) -> None:
+    """Which kernels run dot-product instructions (sdot / smmla), as the compiler read them from the library's
+    objects (build.json's dot_code): per kernel row, and in the summary how many of the quantized matmuls do,
+    with their hot loops' instructions per weight."""
+    kernels = dot_code.get("kernels")
+    if kernels is None:
+        report["summary"]["dot_code"] = {"note": dot_code.get("note", "not read")}
+        return
+    quantized = [r["name"] for r in report["kernels"] if r["op_class"].startswith(("dequant-gemv", "dequant-matmul"))]
+    for row in report["kernels"]:
+        if row["name"] in kernels:
+            row["dot_code"] = kernels[row["name"]]
+    per_weight = sorted(kernels[n]["instructions_per_weight"] for n in quantized if n in kernels)
+    report["summary"]["dot_code"] = {
+        "read_with": dot_code.get("read_with"), "quantized_matmuls": len(quantized), "with_dot": len(per_weight),
+        "without_dot": [n for n in quantized if n not in kernels],
+        "loop_instructions_per_weight": [per_weight[0], per_weight[-1]] if per_weight else None}
+
+
+def _dot_code_line(d: dict[str, Any]) -> str:
+    if "note" in d:
+        return f"Dot-product code: {d['note']}."
+    line = (f"Dot-product code (read from the library's objects with {d['read_with']}): {d['with_dot']} of "
+            f"{d['quantized_matmuls']} quantized matmul kernels run sdot")
+    if d["loop_instructions_per_weight"]:
+        low, high = d["loop_instructions_per_weight"]
+        line += f", hot loop {low}-{high} instructions per weight"
+    if d["without_dot"]:
+        line += f"; without: {', '.join(d['without_dot'])}"
+    return line + "."
 
 
 def write_coverage(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:

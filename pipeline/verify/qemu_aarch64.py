@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import tvm_ffi
 
 from pipeline.errors import PipelineError
+from pipeline.kernels.cpu.arm_code import tar_objects
 
 HARNESS_SOURCE = Path(__file__).resolve().parent / "native" / "kernel_harness.c"
 TOOLS = {"qemu-aarch64": "qemu-user", "aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu"}
@@ -39,11 +39,7 @@ def _ffi_include() -> Path:
 
 def library_objects(tar_path: Path, dest: Path) -> list[Path]:
     """The objects of a system-lib `.tar` (host code + the embedded VM program), extracted into dest."""
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tar_path) as tar:
-        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".o") and "/" not in m.name]
-        tar.extractall(dest, members=members, filter="data")
-    return sorted(dest / m.name for m in members)
+    return tar_objects(tar_path, dest)
 
 
 def link_harness(objects: list[Path], out: Path) -> Path:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,3 +123,24 @@ def dot_kernels(objects: list[Path], objdump: str, prefix: str = "") -> dict[str
             out[name] = {"dot_instructions": dots, "loop_instructions": loop.instructions,
                          "loop_vector": loop.vector, "instructions_per_weight": round(loop.per_weight, 3)}
     return out
+
+
+def tar_objects(tar_path: Path, dest: Path) -> list[Path]:
+    """The objects at the top of a system-lib `.tar` (the kernels' host code, the embedded VM program), extracted
+    into dest."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tar_path) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".o") and "/" not in m.name]
+        tar.extractall(dest, members=members, filter="data")
+    return sorted(dest / m.name for m in members)
+
+
+def library_dot_code(library: Path, prefix: str) -> dict:
+    """What a built AArch64 system-lib `.tar` holds: {"kernels": `dot_kernels` of its objects} or, where
+    llvm-objdump is missing, {"kernels": None, "note": why} (never a guess)."""
+    objdump = find_objdump()
+    if objdump is None:
+        return {"kernels": None, "note": "llvm-objdump not found: the object code was not read"}
+    with tempfile.TemporaryDirectory(prefix="arm-code-") as tmp:
+        return {"kernels": dot_kernels(tar_objects(library, Path(tmp)), objdump, prefix),
+                "read_with": Path(objdump).name}
