@@ -17,6 +17,7 @@ from tvm import relax
 
 from pipeline.compiler.schedule import KernelSchedule, schedule_module
 from pipeline.config import TargetSpec
+from pipeline.kernels.cpu.arm import X_BYTES
 from pipeline.kernels.cpu.arm_code import library_dot_code
 from pipeline.kernels.cpu.probe import build_threads
 from pipeline.kernels.cpu.regions import merge_regions
@@ -64,7 +65,7 @@ class Backend:
         hot loops' instructions per weight, read from its objects (kernels/cpu/arm_code.py); None otherwise."""
         if not str(self.spec.tvm_target.get("mtriple", "")).startswith("aarch64") or library.suffix != ".tar":
             return None
-        return library_dot_code(library, prefix)
+        return library_dot_code(library, prefix, X_BYTES)
 
 
 class GpuBackend(Backend):

@@ -3,25 +3,28 @@
 Why: android-cpu's fused dequantize + matmul, left to TVM, wrote the whole dequantized weight to a scratch
 buffer on every call and then ran one serial fp16 multiply-add chain per output on one core (~18 instructions
 per weight under qemu, no vector instruction). Here, as in llama.cpp's Q4_0 x Q8_0 dot, x is quantized once
-per call to int8 in blocks of the weight group (q4 / q8: 32 values, t2: 128) with one fp32 step each (d =
-max|x| / 127), and each group of a weight row meets it in `sdot` (armv8.2-a dotprod: 16 byte products summed
-4 at a time into the 4 int32 lanes), the integer group sum converted to fp32 and scaled by the row's group
-scale times d into fp32 partial sums; no dequantized weight is written anywhere.
+per call in blocks of the weight group (q4 / q8: 32 values, t2: 128) with one fp32 step each, and each group
+of a weight row meets it in `sdot` (armv8.2-a dotprod: 16 byte products summed 4 at a time into the 4 int32
+lanes), the integer group sum converted to fp32 and scaled by the row's group scale times the step into fp32
+partial sums; no dequantized weight is written anywhere. x is held in two signed bytes per value by default
+(q = round(x * 32512 / max|x|) = 256 hi + lo, x86.py's precision: two sdot's per code vector, summed as 256 *
+hi sums + lo sums) or, X_BYTES = 1, in one (int8, step max|x| / 127: llama.cpp's Q8_0), which moved SmolLM2's
+logits visibly (see Q_MAX).
 
 NK rows are contiguous (codes [N, K / codes], scales [N, groups]), so a task owns ROWS consecutive output
 rows and streams their bytes in order; TVM's parallel loop gives each thread one contiguous range of tasks.
 Per group and row, q4: one 16-byte load of 32 codes, `and` (even k: the low nibbles) and `ushr` (odd k: the
 high nibbles) against x's group stored as its 16 even values then its 16 odd ones, two `sdot`s started from
 the group's offset term (lane 0: -7 sum(q), so the codes need no subtraction), `scvtf`, `fmla` by the row's
-scale; the ROWS scales of a group are gathered into one vector and converted / multiplied by d once. q8: two
-16-byte loads and two `sdot`s. t2 (16 two-bit codes per word, group 128): two 16-byte loads, each meeting x in
+scale; the ROWS scales of a group are gathered into one vector and converted / multiplied by d once (two
+bytes: twice the sdot's). q8: two 16-byte loads and two `sdot`s. t2 (16 two-bit codes per word, group 128): two 16-byte loads, each meeting x in
 four `sdot`s, one per 2-bit field (x's group stored field by field), offset -1.
 
 A prompt (prefill, x [1, m, K]) runs the same loop for each of its rows inside the task, so a task's weight
 rows (ROWS x K / 2 bytes for q4) stay in L1 across the prompt; its rows are quantized in parallel first.
 
-Same result as the fused TE up to x's int8 rounding (at most half a step of its block per value; llama.cpp's
-Q8_0 activations) and fp32 summation order; tests/test_arm_kernels.py checks both under qemu-aarch64.
+Same result as the fused TE up to x's rounding (at most half a step of its block per value) and fp32 summation
+order; tests/test_arm_kernels.py checks both under qemu-aarch64, for one and two bytes.
 `CPUArmDot` (schedule.py) substitutes these for functions that are exactly that fused pattern
 (recognize.match_packed_nk_gemv) on a target with dotprod; anything else is left to the other rules.
 """
@@ -35,8 +38,13 @@ from pipeline.formats import PACKINGS
 from pipeline.kernels.cpu.packed import NK_FORMATS, PackedFormat, substitute
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 
+# x's steps per block by bytes per value: int8 q = round(x * 127 / max|x|) (llama.cpp's Q8_0), or two bytes
+# q = round(x * 32512 / max|x|) = 256 hi + lo (x86.py's precision). SmolLM2-135M, this bundle's q4 weights, every
+# linear layer's x so quantized (torch, 61 prompt tokens) against fp32 x: int8 max |dlogit| 1.5 of a scale of 33,
+# top-1 agreement 0.934; two bytes 0.011, 1.000. Two bytes cost two more sdot per 32 q4 codes.
+Q_MAX = {1: 127.0, 2: 32512.0}
+X_BYTES = 2
 ROWS = 4            # output rows per step: their x loads shared, their scales one vector (8: 0.35 vs 0.37 per weight for q4, t2 worse)
-Q_MAX = 127.0       # x's int8 steps per block: q = round(x * 127 / max|x|)
 SDOT = "llvm.aarch64.neon.sdot"
 DOT_FORMATS = ("q4", "q8", "t2")
 
@@ -60,10 +68,13 @@ def _check(spec: PackedFormat, n: int, k: int) -> None:
 
 
 def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scale_dtype: str = "float16",
-                  prompt: bool = False) -> tirx.PrimFunc:
+                  prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
     """out[1, m, n] = x[1, m, k] @ dequantize(codes [n, k / codes], scales [n, groups]) for NK `spec` codes,
-    m = 1 (decode) or symbolic (`prompt`), x and out in `act`."""
+    m = 1 (decode) or symbolic (`prompt`), x and out in `act`; x in `x_bytes` signed bytes per value (1:
+    int8, 2: q = 256 hi + lo, two sdot's per code vector)."""
     _check(spec, n, k)
+    assert x_bytes in (1, 2), x_bytes
+    q_max = Q_MAX[x_bytes]
     group, codes, bits = spec.group, spec.codes, spec.bits
     groups = -(-k // group)
     words = k // codes
@@ -95,21 +106,25 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
 
     @T.macro
     def quantize_row(x, xq, d, base, r):
-        """Row r of x in int8 steps of its blocks (laid out by `dot_layout`), each block's step d and its
-        offset term base = [-offset * sum(q), 0, 0, 0]."""
+        """Row r of x in integer steps of its blocks (laid out by `dot_layout`; two bytes: xq[r, 0] the high
+        bytes, xq[r, 1] the low), each block's step d and its offset term base = [-offset * sum(q), 0, 0, 0]."""
         for g in range(groups):
             amax = T.alloc_buffer((1,), "float32")
             total = T.alloc_buffer((1,), "int32")
             amax[0] = T.float32(0)
             for j in range(T.min(group, k - g * group)):
                 amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", x[0, r, g * group + j])))
-            d[r, g] = amax[0] * T.float32(1.0 / Q_MAX)
+            d[r, g] = amax[0] * T.float32(1.0 / q_max)
             total[0] = 0
             for j in range(T.min(group, k - g * group)):
-                q: T.let[T.int8] = T.Cast("int8", T.round(T.Cast("float32", x[0, r, g * group + j]) * T.if_then_else(
-                    amax[0] > T.float32(0), T.float32(Q_MAX) / amax[0], T.float32(0))))
-                xq[r, g * group + dot_layout(spec, j)] = q
-                total[0] = total[0] + T.Cast("int32", q)
+                q: T.let[T.int32] = T.Cast("int32", T.round(T.Cast("float32", x[0, r, g * group + j]) * T.if_then_else(
+                    amax[0] > T.float32(0), T.float32(q_max) / amax[0], T.float32(0))))
+                if x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
+                    xq[r, 0, g * group + dot_layout(spec, j)] = T.Cast("int8", T.shift_right(q + 128, 8))
+                    xq[r, 1, g * group + dot_layout(spec, j)] = T.Cast("int8", q - T.shift_right(q + 128, 8) * 256)
+                else:
+                    xq[r, 0, g * group + dot_layout(spec, j)] = T.Cast("int8", q)
+                total[0] = total[0] + q
             base[r, g * 4] = total[0] * -spec.offset
             for j in range(1, 4):
                 base[r, g * 4 + j] = 0
@@ -119,14 +134,17 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
         return T.Cast("float32x4", T.Shuffle([s[row + i, g] for i in range(4)], list(range(4))))
 
     def group_dot(w, xq, base, row, r, g, count):
-        """Group g of weight row `row` times x row r in int32 lanes (sum of the lanes: the group's dot)."""
-        acc = base[r, T.Ramp(g * 4, 1, 4)]
+        """Group g of weight row `row` times x row r in int32 lanes (sum of the lanes: the group's dot, the
+        offset term included). Two bytes: 256 * (the high bytes' sums) + the low bytes' sums, exact in int32
+        (|sum| <= 32 * 15 * 32512 for q4, 128 * 2 * 32512 for t2, 32 * 128 * 32512 for q8 < 2^31)."""
+        acc = [T.Broadcast(0, 4)] * (x_bytes - 1) + [base[r, T.Ramp(g * 4, 1, 4)]]
         for h in range(count):
             v = codes_vector(w, row, g, h)
             for f in range(fields):
-                acc = T.call_llvm_pure_intrin("int32x4", SDOT, acc, field(v, f),
-                                              xq[r, T.Ramp(g * group + (h * fields + f) * 16, 1, 16)])
-        return acc
+                for b in range(x_bytes):
+                    acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], field(v, f),
+                                                     xq[r, b, T.Ramp(g * group + (h * fields + f) * 16, 1, 16)])
+        return acc[0] if x_bytes == 1 else acc[0] * T.Broadcast(256, 4) + acc[1]
 
     @T.macro
     def group_step(w, s, xq, d, base, acc, task, r, g, count):
@@ -143,7 +161,7 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
     def kernel(w: T.Buffer(code_shape, spec.code_dtype), s: T.Buffer((i64(n), i64(groups)), scale_dtype),
                x: T.Buffer((i64(1), m, i64(k)), act), out: T.Buffer((i64(1), m, i64(n)), act)):
         T.func_attr({"tirx.noalias": True})
-        xq = T.alloc_buffer((m, groups * group), "int8")
+        xq = T.alloc_buffer((m, x_bytes, groups * group), "int8")
         d = T.alloc_buffer((m, groups), "float32")
         base = T.alloc_buffer((m, groups * 4), "int32")
         if prompt:
@@ -166,7 +184,7 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
     return kernel
 
 
-def arm_dot_like(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+def arm_dot_like(func: tirx.PrimFunc, x_bytes: int = X_BYTES) -> tirx.PrimFunc | None:
     """The sdot kernel with `func`'s parameter order when `func` is a fused decode GEMV or prefill matmul of NK
     q4 / q8 / t2 codes this module covers, else None. The caller checks that the target has dotprod."""
     for prompt in (False, True):
@@ -177,7 +195,7 @@ def arm_dot_like(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         spec = NK_FORMATS[fmt]
         if fmt not in DOT_FORMATS or n % ROWS or n // ROWS < 2 or k % (64 if spec.bits == 2 else spec.group):
             return None
-        kernel = nk_dot_kernel(spec, n, k, act, scale_dtype, prompt)
+        kernel = nk_dot_kernel(spec, n, k, act, scale_dtype, prompt, x_bytes)
         ternary = fmt in PACKINGS
         op_class = ("dequant-matmul" if prompt else "dequant-gemv") + ("-ternary" if ternary else "")
         return substitute(func, kernel, order, op_class)

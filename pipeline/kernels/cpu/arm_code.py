@@ -17,7 +17,7 @@ from pathlib import Path
 OBJDUMP_CANDIDATES = tuple(f"llvm-objdump-{v}" for v in range(21, 13, -1)) + ("llvm-objdump",)
 DECODE_ATTRS = "+dotprod,+fullfp16,+i8mm"   # so every extension the kernels may use is decoded
 DOT_MNEMONICS = ("sdot", "udot", "usdot", "smmla", "ummla", "usmmla")
-WEIGHTS_PER_DOT = 16   # byte products of one 128-bit sdot (smmla: 32, counted as two)
+BYTES_PER_DOT = 16   # byte products of one 128-bit sdot (smmla: 32, counted as two)
 
 _SYMBOL = re.compile(r"^[0-9a-f]+ <([^>]+)>:$")
 _INSN = re.compile(r"^\s*([0-9a-f]+):\s+(?:[0-9a-f]{8}|(?:[0-9a-f]{2} ){3}[0-9a-f]{2})\s+(\S+)\s*(.*)$")   # either byte style
@@ -77,10 +77,10 @@ class LoopMix:
     vector: int
     dots: int
 
-    @property
-    def per_weight(self) -> float:
-        """Instructions per weight of the loop: each sdot multiplies 16 weights by 16 activations."""
-        return self.instructions / (self.dots * WEIGHTS_PER_DOT) if self.dots else float("inf")
+    def per_weight(self, dots_per_weight: int = 1) -> float:
+        """Instructions per weight of the loop: each sdot multiplies 16 code bytes by 16 activation bytes, and
+        each weight meets `dots_per_weight` of them (x in that many bytes)."""
+        return self.instructions * dots_per_weight / (self.dots * BYTES_PER_DOT) if self.dots else float("inf")
 
 
 def hot_loop(code: list[Instruction]) -> LoopMix | None:
@@ -109,9 +109,10 @@ def kernel_of(symbol: str) -> str:
     return symbol.removeprefix("__tvm_ffi_").removesuffix("_compute_")
 
 
-def dot_kernels(objects: list[Path], objdump: str, prefix: str = "") -> dict[str, dict[str, float]]:
+def dot_kernels(objects: list[Path], objdump: str, prefix: str = "", x_bytes: int = 1) -> dict[str, dict[str, float]]:
     """{kernel (system-lib prefix removed): {"dot_instructions", "loop_instructions", "loop_vector",
-    "instructions_per_weight"}} for every kernel of `objects` whose code holds a dot instruction."""
+    "instructions_per_weight"}} for every kernel of `objects` whose code holds a dot instruction; `x_bytes`:
+    the bytes per activation the kernels were built with (arm.X_BYTES), each a dot product per weight."""
     out: dict[str, dict[str, float]] = {}
     for obj in objects:
         for symbol, code in functions(disassemble(obj, objdump)).items():
@@ -121,7 +122,7 @@ def dot_kernels(objects: list[Path], objdump: str, prefix: str = "") -> dict[str
                 continue
             name = kernel_of(symbol).removeprefix(prefix)
             out[name] = {"dot_instructions": dots, "loop_instructions": loop.instructions,
-                         "loop_vector": loop.vector, "instructions_per_weight": round(loop.per_weight, 3)}
+                         "loop_vector": loop.vector, "instructions_per_weight": round(loop.per_weight(x_bytes), 3)}
     return out
 
 
@@ -135,12 +136,12 @@ def tar_objects(tar_path: Path, dest: Path) -> list[Path]:
     return sorted(dest / m.name for m in members)
 
 
-def library_dot_code(library: Path, prefix: str) -> dict:
+def library_dot_code(library: Path, prefix: str, x_bytes: int = 1) -> dict:
     """What a built AArch64 system-lib `.tar` holds: {"kernels": `dot_kernels` of its objects} or, where
     llvm-objdump is missing, {"kernels": None, "note": why} (never a guess)."""
     objdump = find_objdump()
     if objdump is None:
         return {"kernels": None, "note": "llvm-objdump not found: the object code was not read"}
     with tempfile.TemporaryDirectory(prefix="arm-code-") as tmp:
-        return {"kernels": dot_kernels(tar_objects(library, Path(tmp)), objdump, prefix),
+        return {"kernels": dot_kernels(tar_objects(library, Path(tmp)), objdump, prefix, x_bytes),
                 "read_with": Path(objdump).name}
