@@ -1,6 +1,7 @@
 """llama.cpp cross-compiled for phone CPUs (aarch64), from the same llama-cpp-python sdist as benchmarks/llamacpp.py.
 
-Only `llama-bench` is built, statically (it runs under qemu-aarch64 without an aarch64 sysroot), with the Debian
+Only `llama-bench` (the measured program) and `llama-quantize` (makes the Q4_0 / Q8_0 / TQ2_0 GGUFs, run under
+qemu too: no x86 build is needed) are built, statically (it runs under qemu-aarch64 without an aarch64 sysroot), with the Debian
 cross compiler (`gcc-aarch64-linux-gnu`), GGML_NATIVE off and an explicit `-march` per phone-CPU class:
 
     dotprod   -march=armv8.2-a+dotprod          (Cortex-A76 and later: sdot / udot)
@@ -10,7 +11,7 @@ ggml's own thread pool is used (GGML_OPENMP off): a static OpenMP runtime under 
 go wrong, and ggml's pool is what its Android builds without OpenMP run. CPU repacking (Q4_0 -> Q4_0_4x4 /
 4x8 at load) stays on, as in a default build. Cached in a folder keyed by the sdist's sha256 and the flags:
 
-    .cache/llama.cpp/<version>/aarch64-<class>-<key>/bin/llama-bench    (BUILT written last)
+    .cache/llama.cpp/<version>/aarch64-<class>-<key>/bin/llama-{bench,quantize}    (BUILT written last)
 
     .venv/bin/python benchmarks/llamacpp_aarch64.py [--cls dotprod|i8mm] [--jobs 2]
 """
@@ -32,6 +33,7 @@ from benchmarks import llamacpp  # noqa: E402
 
 MARCH = {"dotprod": "armv8.2-a+dotprod", "i8mm": "armv8.2-a+dotprod+i8mm"}
 CROSS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++")
+TOOLS = ("llama-bench", "llama-quantize")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DCMAKE_SYSTEM_NAME=Linux",
@@ -54,12 +56,25 @@ CMAKE_FLAGS = (
 
 @dataclass(frozen=True)
 class ArmBuild:
-    """A finished cross build: the static aarch64 llama-bench and the flags it was built with."""
+    """A finished cross build: the static aarch64 tools and the flags they were built with."""
 
     cls: str
     march: str
-    bench: Path
+    bin: Path
     key: str
+
+    @property
+    def bench(self) -> Path:
+        return self.bin / "llama-bench"
+
+    def tool(self, name: str) -> Path:
+        """A tool as a command for this machine: a script that runs the aarch64 binary under qemu-aarch64
+        (benchmarks/speed.py's `llamacpp_ggufs` calls `tool("llama-quantize")`)."""
+        script = self.bin / f"qemu-{name}"
+        if not script.exists():
+            script.write_text(f'#!/bin/sh\nexec qemu-aarch64 "{self.bin / name}" "$@"\n')
+            script.chmod(0o755)
+        return script
 
 
 def missing_tools() -> list[str]:
@@ -93,9 +108,9 @@ def ensure_built(cls: str = "dotprod", version: str = llamacpp.VERSION, cache: P
     sdist = llamacpp._sdist(version, home)
     key = build_key(sdist, cls)
     folder = home / f"aarch64-{cls}-{key}"
-    bench = folder / "bin" / "llama-bench"
-    if (folder / "BUILT").exists() and bench.exists():
-        return ArmBuild(cls, MARCH[cls], bench, key)
+    found = ArmBuild(cls, MARCH[cls], folder / "bin", key)
+    if (folder / "BUILT").exists() and all((found.bin / t).exists() for t in TOOLS):
+        return found
     src = llamacpp._extract(sdist, home / "src")
     cmake = llamacpp._which_or_pip("cmake")
     try:
@@ -110,11 +125,12 @@ def ensure_built(cls: str = "dotprod", version: str = llamacpp.VERSION, cache: P
         llamacpp._run([cmake, "-S", str(src), "-B", str(folder), *generator, *CMAKE_FLAGS,
                        f"-DGGML_CPU_ARM_ARCH={MARCH[cls]}", f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={folder / 'bin'}"],
                       log, nice=True)
-    llamacpp._run([cmake, "--build", str(folder), "-j", str(jobs), "--target", "llama-bench"], log, nice=True)
-    if not bench.exists():
-        raise llamacpp.BuildError(f"build finished but {bench} is missing — see {log}")
+    llamacpp._run([cmake, "--build", str(folder), "-j", str(jobs), "--target", *TOOLS], log, nice=True)
+    missing = [t for t in TOOLS if not (found.bin / t).exists()]
+    if missing:
+        raise llamacpp.BuildError(f"build finished but {', '.join(missing)} missing from {found.bin} — see {log}")
     (folder / "BUILT").write_text(version + "\n")
-    return ArmBuild(cls, MARCH[cls], bench, key)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
