@@ -174,7 +174,7 @@ def link_harness(bundle: Path, threads: int, folder: Path) -> tuple[Path, str, l
     if strays:
         raise qc.CounterError(f"the library's code is not one span in {exe.name}: {strays[:3]} inside it")
     helpers = [r for n, r in every.items() if LIBC_HELPERS.match(n) and r[1] > r[0] and not lo <= r[0] < hi]
-    return exe, info["system_lib_prefix"], [(lo, hi), *helpers[:63]]
+    return exe, info["system_lib_prefix"], [(lo, hi), *helpers[:255]]
 
 
 def count_call(exe: Path, prefix: str, ranges, call: Call) -> qc.Counts:

@@ -55,7 +55,7 @@ __attribute__((visibility("default"))) int qemu_plugin_version = 1;
 /* ---- end of the API subset ---- */
 
 #define MAX_VCPUS 256 /* more guest threads share slots (atomics keep the sums right) */
-#define MAX_RANGES 64
+#define MAX_RANGES 256
 
 enum { INSNS, VEC, LOADS, LOAD_BYTES, STORES, STORE_BYTES, NUM_COUNTS };
 static const char* const COUNT_NAMES[NUM_COUNTS] = {"insns", "vector_insns", "loads", "load_bytes", "stores",
