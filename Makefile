@@ -34,7 +34,7 @@ export TRANSFORMERS_OFFLINE := 1
 export MODEL TARGET QUANT OUT PHONE FORCE_CPU PROMPT RUN_TARGET RUN_QUANT MAX_NEW_TOKENS RPC TRIALS KERNELS \
        CALIB KV RELEASE RELEASE_OUT MATRIX BUNDLE
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash llamacpp release release-matrix mlc-engine conformance bench-mlc-engine
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash bench-phone-cpu llamacpp release release-matrix mlc-engine conformance bench-mlc-engine
 
 setup: $(STAMP)
 
@@ -57,10 +57,11 @@ system-deps:
 	      || echo "warning: apt-get could not install pocl-opencl-icd/lld/llvm; the PoCL and HVX-count tests will be skipped"; \
 	  else echo "warning: install pocl-opencl-icd and lld for the OpenCL execution tests"; fi; \
 	fi
-	@# qemu-user + the aarch64 cross gcc/libc run the android-cpu kernels in tests/test_qemu_aarch64.py (skipped without them)
-	@if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null; then \
+	@# qemu-user + the aarch64 cross gcc/libc run the android-cpu kernels in tests/test_qemu_aarch64.py (skipped without them);
+	@# the cross g++ builds llama.cpp for make bench-phone-cpu
+	@if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross >/dev/null) \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross >/dev/null) \
 	      || echo "warning: apt-get could not install qemu-user/gcc-aarch64-linux-gnu; the qemu-aarch64 tests will be skipped"; \
 	  else echo "warning: install qemu-user and gcc-aarch64-linux-gnu for the aarch64 kernel tests"; fi; \
 	fi
@@ -167,6 +168,14 @@ bench-decode-profile: $(STAMP)
 # (benchmarks/host_overhead.py).
 bench-host-overhead: $(STAMP)
 	$(PY) benchmarks/host_overhead.py "$$BUNDLE"
+
+# Phone-CPU cost without a phone (docs/phone-cpu-benchmark.md): instructions, vector share and bytes per decoded /
+# prefill token of our android-cpu library (q4f16 / q8f16 / ternary_ptq) and of llama.cpp cross-built for aarch64
+# (Q4_0 / Q8_0 / TQ2_0), both under qemu-aarch64 with the project's counting plugin; 1 and 4 threads; a phone
+# PREDICTION. Needs qemu-user, gcc and g++-aarch64-linux-gnu (system-deps). PHONE_CPU_ARGS="--cls i8mm --threads 1".
+PHONE_CPU_ARGS ?=
+bench-phone-cpu: $(STAMP) system-deps
+	$(PY) benchmarks/phone_cpu.py $(PHONE_CPU_ARGS)
 
 # The weights' content key: sha256 + NaN / inf check over a few GB of synthetic bf16 safetensors, GB/s and the
 # time for a 54 GB checkpoint (benchmarks/hash_speed.py; HASH_ARGS="--gb 4 --dir /fast/disk").

@@ -1,0 +1,64 @@
+"""benchmarks/phone_cpu.py's arithmetic on made-up counts: goals, PREDICTION, KV bytes, the llama.cpp differences."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import phone_cpu as pc
+from benchmarks import qemu_counter as qc
+
+
+def _counts(insns, vec=0, load_bytes=0):
+    c = dict.fromkeys(qc.COUNT_KEYS, 0)
+    c.update(insns=insns, vector_insns=vec, load_bytes=load_bytes)
+    return c
+
+
+def _rows(ours_decode_insns, four_thread_insns):
+    ours = {"weights_bytes": 1000, "gemv": {"total": _counts(100, 85)},
+            "threads": {"1": {"decode": {"range": _counts(ours_decode_insns, 10, 1100)},
+                              "prefill": {"range": _counts(50)}},
+                        "4": {"decode": {"range": _counts(four_thread_insns, 10, 1100)},
+                              "prefill": {"range": _counts(50)}}}}
+    theirs = {"1": {"decode": {"total": _counts(100)}, "prefill": {"total": _counts(40)}}}
+    return {"ours": {"q4f16": ours}, "llamacpp": {"Q4_0": theirs}, "kv_bytes": 100}
+
+
+def _verdicts(rows):
+    return {g["goal"].split(" (work split")[0]: g["pass"] for g in pc.goals(rows, [1, 4])}
+
+
+def test_goals_pass_and_fail_from_the_rows():
+    verdicts = _verdicts(_rows(90, 100))
+    assert verdicts == {
+        "decode instr/token q4f16 <= 1.0x llama.cpp Q4_0 (1 thread)": True,      # 90 vs 100
+        "prefill-128 instr/token q4f16 <= 1.0x llama.cpp Q4_0": False,           # 50 vs 40
+        "bytes loaded per decoded token q4f16 <= 1.1x weights + KV": True,        # 1100 <= 1.1 x 1100
+        ">= 80% vector instructions inside the GEMV kernels q4f16": True,         # 85 %
+        "4-thread decode instructions q4f16 <= 1.15x 1-thread": True,             # 100 / 90
+    }
+    worse = _verdicts(_rows(101, 120))
+    assert not worse["decode instr/token q4f16 <= 1.0x llama.cpp Q4_0 (1 thread)"]
+    assert not worse["4-thread decode instructions q4f16 <= 1.15x 1-thread"]   # 120 / 101 = 1.19
+
+
+def test_prediction_is_the_slower_of_compute_and_memory():
+    memory_bound = pc.predict(1e6, 76.8e9 / 100, 1)          # 10 ms of DRAM, ~0.1 ms of compute
+    assert memory_bound["bound"] == "memory" and memory_bound["tok_s"] == pytest.approx(100)
+    compute_bound = pc.predict(3.0 * 3.25e9 / 10, 0, 1)      # IPC 3 at 3.25 GHz: 0.1 s
+    assert compute_bound["bound"] == "compute" and compute_bound["tok_s"] == pytest.approx(10)
+    assert pc.predict(1e9, 0, 4)["tok_s"] > 3 * pc.predict(1e9, 0, 1)["tok_s"]
+
+
+def test_kv_bytes_counts_the_new_token():
+    decoder = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)
+    assert pc.kv_bytes(decoder, 128) == 30 * 2 * 3 * 64 * 2 * 129
+
+
+def test_run_difference_per_token():
+    long = qc.Counts(_counts(1000, 100), _counts(10))
+    short = qc.Counts(_counts(200, 20), _counts(2))
+    per = long.minus(short).scaled(1 / 8)
+    assert per["total"]["insns"] == 100 and per["total"]["vector_insns"] == 10 and per["range"]["insns"] == 1
