@@ -70,6 +70,9 @@ def test_placement_and_reasons(hexagon_bundle):
     assert c["crossings_per_token"] > 0 and c["bytes_moved_per_token"] > 0
     md = (hexagon_bundle / "reports" / "coverage.md").read_text()
     assert "CPU<->NPU crossings per decoded token" in md and "compiled, not executed" in md
+    # what an app needs to run the HVX code, stated as not provided (issue #38 item 5)
+    assert "NPU runtime: not provided by this build" in md and "FastRPC" in report["npu_runtime"]
+    assert "Hexagon SDK" in (hexagon_bundle / "reports" / "coverage.html").read_text()
 
 
 @needs_objdump
