@@ -35,6 +35,7 @@ from pipeline.op_classes import classify
 from pipeline.op_classes import eval_shape as _eval
 
 HVX_BYTES = 128           # one HVX vector with +hvx-length128b
+HAND_WRITTEN = "hvx.hand_written"   # PrimFunc attribute of kernels written with HVX vectors and intrinsics
 OBJDUMP_CANDIDATES = tuple(f"llvm-objdump-{v}" for v in range(21, 13, -1)) + ("llvm-objdump",)
 # Older disassemblers lack the newest Hexagon CPUs (Debian's LLVM 14/15 stop at v69): the target's own CPU
 # is tried first, then these; HVX encodings an older decoder does not know print as <unknown> and are not
@@ -77,6 +78,8 @@ def hvx_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     Raises HvxScheduleError (never falls back silently): an unscheduled kernel is scalar Hexagon code, so
     the caller must place it on the CPU. For a reduction the output vector is vectorized before the
     reduction is decomposed: TVM refuses to vectorize the update block once its init is split off."""
+    if func.attrs and HAND_WRITTEN in func.attrs:   # written with HVX vectors already (kernels/npu/*.py)
+        return func
     prepared = _inline_producers(func)
     if prepared is None:
         raise HvxScheduleError(f"{SCHEDULE_FAILED}: no spatial output loop to vectorize")
