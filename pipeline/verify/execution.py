@@ -34,6 +34,7 @@ from pipeline.compiler.backend import backend_for
 from pipeline.compiler.fuse import fusion_passes
 from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ROOT, load_target
+from pipeline.kernels.npu.hvx_q4_gemv import RULE as HVX_INT8_RULE
 from pipeline.models import model_class
 from pipeline.models.layers import LayerFactory
 from pipeline.verify import opencl as verify_opencl
@@ -47,6 +48,7 @@ KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_
              "fused_rope")
 TOLERANCE = 1e-4          # of the output's largest magnitude
 HVX_FP16_TOLERANCE = 8 * 2.0 ** -10   # fp16 outputs (HVX qf16 rounds differently from LLVM's x86 fp16 code)
+INT8_ACTIVATION_TOLERANCE = 2e-2      # GEMVs that quantize activations to int8 per 32 (kernels/npu/hvx_q4_gemv.py)
 SEQ_LEN = 5               # the symbolic seq_len of prefill kernels
 MAX_ARG_BYTES = 256 * 2**20   # bigger kernels (a 27B model's vocab GEMV) are only compiled: RAM and time
 AUTO_VERIFY_MAX_BYTES = 2**30   # bigger models verify only with --verify (minutes, GBs of random inputs)
@@ -326,10 +328,10 @@ def hexagon_verdicts(mod: Any, records: list[Any], npu: dict[str, Any]) -> dict[
     built by LLVM here; a run qemu stops gets the packet it could not decode (or how it stopped)."""
     with tempfile.TemporaryDirectory(prefix="hvx-exec-") as tmp:
         kernels = hexagon_kernels(mod, records, npu, Path(tmp))
-        return {r.name: _hexagon_verdict(kernels, r.name, mod[r.name]) for r in records}
+        return {r.name: _hexagon_verdict(kernels, r.name, mod[r.name], r.rule) for r in records}
 
 
-def _hexagon_verdict(kernels: Any, name: str, func: Any) -> str:
+def _hexagon_verdict(kernels: Any, name: str, func: Any, rule: str) -> str:
     args = random_args(func, np.random.default_rng(0), {"seq_len": SEQ_LEN})
     if sum(a.nbytes for a in args) > MAX_ARG_BYTES:
         return not_executed(f"over {MAX_ARG_BYTES >> 20} MiB of arguments")
@@ -344,9 +346,10 @@ def _hexagon_verdict(kernels: Any, name: str, func: Any) -> str:
         return not_executed(f"qemu-hexagon stopped: {' '.join(str(err).split())[:160]}")
     scale = max(float(np.abs(expected.astype(np.float64)).max()), 1e-30)
     err = float(np.abs(got.astype(np.float64) - expected.astype(np.float64)).max()) / scale
-    tolerance = HVX_FP16_TOLERANCE if expected.dtype == np.float16 else TOLERANCE
+    int8 = rule == HVX_INT8_RULE
+    tolerance = INT8_ACTIVATION_TOLERANCE if int8 else HVX_FP16_TOLERANCE if expected.dtype == np.float16 else TOLERANCE
     verdict = "matches LLVM" if err <= tolerance else "MISMATCH vs LLVM"
-    return executed(f"qemu-hexagon, HVX, {verdict}: rel. err {err:.1e}")
+    return executed(f"qemu-hexagon, HVX{', int8 activations' if int8 else ''}, {verdict}: rel. err {err:.1e}")
 
 
 def random_args(func: Any, rng: np.random.Generator, sizes: dict[str, int]) -> list[np.ndarray]:

@@ -21,11 +21,15 @@ Numerics: the int8 activations add an error of about 0.5% of max|x| per group (l
 
 from __future__ import annotations
 
-from tvm import tirx
+from tvm import ir, tirx
 from tvm.script import tirx as T
 
 from pipeline.formats import GROUP, ZERO
-from pipeline.kernels.npu.hexagon import HAND_WRITTEN
+from pipeline.kernels.cpu.packed import ROLES, substitute
+from pipeline.kernels.cpu.recognize import blocks
+
+HAND_WRITTEN = "hvx.hand_written"   # PrimFunc attribute: written with HVX vectors already, not to be rescheduled
+RULE = "hvx-q4-vrmpy"               # the placement rule of the kernels this module replaces
 
 LANES = 32           # int32 lanes of one 128-byte HVX vector = output columns per block
 WORDS = GROUP // 8   # KN code rows per group (8 nibbles per uint32)
@@ -43,7 +47,8 @@ def f16_bits_to_f32(h):
     special = T.bitwise_or(sign, T.bitwise_or(0x7F800000, T.shift_left(man, 13)))
     bits = T.if_then_else(exp == 31, special, normal)
     tiny = T.Cast("float32", man) * T.float32(2.0 ** -24)
-    return T.if_then_else(exp == 0, T.if_then_else(sign != 0, -tiny, tiny), T.reinterpret("float32", bits))
+    negative = T.bitwise_and(h, 0x8000) != 0   # not `sign != 0`: TVM folds that shifted test away
+    return T.if_then_else(exp == 0, T.if_then_else(negative, -tiny, tiny), T.reinterpret("float32", bits))
 
 
 def f32_to_f16_bits(f):
@@ -53,8 +58,14 @@ def f32_to_f16_bits(f):
     mag = T.bitwise_and(u, 0x7FFFFFFF)
     rebased = mag - 0x38000000                      # exponent bias 127 -> 15
     normal = T.shift_right(rebased + 0xFFF + T.bitwise_and(T.shift_right(rebased, 13), 1), 13)
-    scaled = T.reinterpret("float32", mag) * T.float32(2.0 ** 24)      # exact: a power of two
-    subnormal = T.Cast("int32", (scaled + T.float32(12582912.0)) - T.float32(12582912.0))   # ties to even
+    # below 2^-14: the fp16 subnormal round(|f| * 2^24), i.e. the 24-bit significand shifted right by
+    # 126 - exponent, rounded to nearest even in integers
+    shift = T.min(126 - T.shift_right(mag, 23), 31)
+    significand = T.bitwise_or(T.bitwise_and(mag, 0x7FFFFF), 0x800000)
+    kept = T.shift_right(significand, shift)
+    rest = T.bitwise_and(significand, T.shift_left(1, shift) - 1)
+    half = T.shift_left(1, shift - 1)
+    subnormal = kept + T.if_then_else(T.Or(rest > half, T.And(rest == half, T.bitwise_and(kept, 1) == 1)), 1, 0)
     big = T.if_then_else(mag > 0x7F800000, 0x7E00, 0x7C00)
     return T.bitwise_or(sign, T.if_then_else(mag >= 0x47800000, big,
                                              T.if_then_else(mag >= 0x38800000, normal, subnormal)))
@@ -130,3 +141,52 @@ def q4_gemv(k: int, n: int) -> tirx.PrimFunc:
                 y[0, 0, nb * LANES + j] = T.reinterpret("float16", T.Cast("uint16", f32_to_f16_bits(out[j])))
 
     return gemv
+
+
+def _dequantizes_q4_fp16(block) -> bool:
+    """The block stores (float16(code nibble) - 7) * scale in fp16 (the fused TE dequantize of q4)."""
+    store = block.body
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Mul):
+        return False
+    code, scale = store.value.a, store.value.b
+    return (str(store.value.ty) == "float16" and isinstance(code, tirx.Sub) and isinstance(code.a, tirx.Cast)
+            and isinstance(code.b, tirx.FloatImm) and float(code.b.value) == float(ZERO)
+            and isinstance(scale, ir.expr.TensorLoad) and str(scale.ty) == "float16")   # a BufferLoad in 0.27
+
+
+def match_q4_kn_gemv(func: tirx.PrimFunc) -> tuple[int, int, tuple[str, ...]] | None:
+    """(K, N, role of each parameter) when `func` is the build's fused fp16 one-token q4 KN GEMV: blocks
+    dequantize then matmul, codes uint32 [K / 8, N], scales fp16 [K / 32, N], x fp16 [1, 1, K], out fp16
+    [1, 1, N] (last); None otherwise (prefill rows, tiled or other formats, fp32)."""
+    found = blocks(func)
+    if len(found) != 2 or found[1].name_hint != "matmul" or not _dequantizes_q4_fp16(found[0]):
+        return None
+    params = list(func.params)
+    if len(params) != 4 or not all(isinstance(d, tirx.IntImm) for p in params for d in p.shape):
+        return None
+    shapes = [tuple(int(d) for d in p.shape) for p in params]
+    dtypes = [str(p.dtype) for p in params]
+    if dtypes[-1] != "float16" or len(shapes[-1]) != 3 or shapes[-1][:2] != (1, 1):
+        return None
+    n = shapes[-1][2]
+    roles = []
+    for shape, dtype in zip(shapes[:-1], dtypes[:-1], strict=True):
+        roles.append("codes" if dtype == "uint32" else "x" if len(shape) == 3 else "scales")
+    if sorted(roles) != sorted(ROLES[:3]) or dtypes[roles.index("scales")] != "float16":
+        return None
+    by_role = dict(zip(roles, shapes[:-1], strict=True))
+    k = by_role["x"][2] if by_role["x"][:2] == (1, 1) else -1
+    if (k <= 0 or k % GROUP or n % LANES or by_role["codes"] != (k // 8, n)
+            or by_role["scales"] != (k // GROUP, n)):
+        return None
+    return k, n, (*roles, "out")
+
+
+def q4_gemv_like(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """This module's kernel with `func`'s parameter order and attributes, or None when `func` is not a q4 KN
+    decode GEMV it computes."""
+    match = match_q4_kn_gemv(func)
+    if match is None:
+        return None
+    k, n, order = match
+    return substitute(func, q4_gemv(k, n), order, "dequant-gemv").with_attr(HAND_WRITTEN, True)
