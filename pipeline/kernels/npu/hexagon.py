@@ -242,7 +242,7 @@ def placement_lines(records: list[Any]) -> list[str]:
     lines = []
     for r in records:
         if r.on_device and r.rule in ("hvx", RULE):
-            lines.append(f"NPU {r.name}: {r.hvx_instructions} HVX instructions")
+            lines.append(f"NPU {r.name}: {r.hvx_instructions} HVX instructions ({r.rule})")
         elif r.reason.startswith(CPU_FALLBACKS):
             lines.append(f"CPU {r.name}: {r.reason}")
     return lines
