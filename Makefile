@@ -65,6 +65,14 @@ system-deps:
 	      || echo "warning: apt-get could not install qemu-user/gcc-aarch64-linux-gnu; the qemu-aarch64 tests will be skipped"; \
 	  else echo "warning: install qemu-user and gcc-aarch64-linux-gnu for the aarch64 kernel tests"; fi; \
 	fi
+	@# clang compiles the freestanding Hexagon harness; with qemu-user's qemu-hexagon and lld it runs the HVX kernels
+	@# (pipeline/verify/qemu_hexagon.py; android-hexagon builds and tests/test_qemu_hexagon.py, skipped without them)
+	@if ! command -v clang >/dev/null && ! ls /usr/bin/clang-[0-9]* >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null) \
+	      || echo "warning: apt-get could not install clang; the qemu-hexagon tests will be skipped"; \
+	  else echo "warning: install clang for the qemu-hexagon kernel tests"; fi; \
+	fi
 	@# headless Chromium renders reports/coverage.html in a test (skipped without it)
 	@if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

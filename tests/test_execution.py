@@ -65,14 +65,17 @@ def test_without_opencl_device_nothing_claims_execution(tiny_llama, tmp_path, mo
         "compiled, not executed (no OpenCL device here: install pyopencl + pocl-opencl-icd)"}
 
 
-def test_verdicts_for_other_targets():
+def test_verdicts_for_other_targets(monkeypatch):
     from pipeline.compiler.schedule import KernelSchedule
     from pipeline.config import load_target
 
     recs = [KernelSchedule("a", "hvx", True), KernelSchedule("b", "cpu-default", False)]
-    out, summary = execution.verdicts(load_target("android-hexagon"), recs, verify=True)
-    assert out == {"a": "compiled, not executed (HVX: no Hexagon runtime / FastRPC here)",
+    out, summary = execution.verdicts(load_target("android-hexagon"), recs, verify=False)
+    assert out == {"a": "compiled, not executed (HVX: build-time qemu-hexagon run off (--no-verify))",
                    "b": "compiled, not executed (aarch64 CPU code)"} and summary["executed"] == 0
+    monkeypatch.setattr(execution, "missing_tools", lambda: ["qemu-user"])
+    out, _ = execution.verdicts(load_target("android-hexagon"), recs, verify="no-qemu-hexagon")
+    assert out["a"] == "compiled, not executed (HVX: the qemu-hexagon harness needs apt-get install qemu-user)"
     out, _ = execution.verdicts(load_target("android-adreno"), recs, verify=False)
     assert all("verification off" in v for v in out.values())
     out, _ = execution.verdicts(load_target("ios-metal"), recs, verify=True)

@@ -303,6 +303,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
               "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
     if phase_note:
         report["phase_note"] = phase_note
+    if (getattr(target, "npu", None) or {}).get("app_runtime"):   # what an app must add to run the NPU code
+        report["npu_runtime"] = " ".join(str(target.npu["app_runtime"]).split())
     accel = _accelerator(target)
     if getattr(target, "npu", None) or (accel == "GPU" and any(r["placement"] == "CPU" for r in rows)):
         report["summary"]["crossings"] = crossings(mod, rows, {"seq_len": seq_len}, accel,
@@ -479,6 +481,8 @@ def to_markdown(report: dict[str, Any]) -> str:
                   f"({c.get('accelerator_calls', c['npu_calls'])} of {c['decode_calls']} decode kernel calls on "
                   f"the {acc}), moving about "
                   f"{_fmt_bytes(c['bytes_moved_per_token'])} per token ({c['note']})."]
+    if report.get("npu_runtime"):
+        lines += ["", f"NPU runtime: {report['npu_runtime']}"]
     if "execution" in s:
         e = s["execution"]
         lines += ["", f"Executed here: {e['executed']} of {s['kernels']} kernels ({e['how']}); "

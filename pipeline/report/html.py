@@ -186,6 +186,9 @@ _TEMPLATE = """<!DOCTYPE html>
 {%- if cov.get("phase_note") %}
 <p class="note">{{ cov.phase_note }}</p>
 {%- endif %}
+{%- if cov.get("npu_runtime") %}
+<p class="note">NPU runtime: {{ cov.npu_runtime }}</p>
+{%- endif %}
 </header>
 <main>
 <section class="coverage">

@@ -8,7 +8,9 @@ PoCL and matched the unscheduled PrimFunc built by LLVM is "executed here (PoCL)
 they were only compiled (host code, no OpenCL device, ...). The paged KV cache's own kernels (attention
 over pages, append, copies) run on a small consistent cache (page tables and positions that stay in
 bounds) and are compared with the CPU variant TVM's KV cache makes of the same kernel for LLVM. Other
-targets record why nothing ran at build time (Hexagon: no HVX runtime here).
+targets record why nothing ran at build time. android-hexagon (`verify_kernels: qemu-hexagon`) runs its NPU
+kernels' HVX objects under qemu-hexagon (verify/qemu_hexagon.py) against the same PrimFuncs built by LLVM;
+a kernel qemu-hexagon 7.2 cannot decode is "compiled, not executed" with the packet and instruction.
 """
 
 from __future__ import annotations
@@ -32,17 +34,21 @@ from pipeline.compiler.backend import backend_for
 from pipeline.compiler.fuse import fusion_passes
 from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ROOT, load_target
+from pipeline.kernels.npu.hvx_q4_gemv import RULE as HVX_INT8_RULE
 from pipeline.models import model_class
 from pipeline.models.layers import LayerFactory
 from pipeline.verify import opencl as verify_opencl
 from pipeline.verify.opencl import run_on_llvm, run_on_pocl
 from pipeline.verify.opencl_plan import eval_host, opencl_kernels, param_spec
+from pipeline.verify.qemu_hexagon import HexagonRunError, hexagon_kernels, missing_tools
 
 # Kernels the paged KV cache drives with its own page tables / position maps: random inputs would index
 # out of bounds, so they get the consistent cache of kv_args() and a CPU reference kernel.
 KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_single_page", "merge_state",
              "fused_rope")
 TOLERANCE = 1e-4          # of the output's largest magnitude
+HVX_FP16_TOLERANCE = 8 * 2.0 ** -10   # fp16 outputs (HVX qf16 rounds differently from LLVM's x86 fp16 code)
+INT8_ACTIVATION_TOLERANCE = 2e-2      # GEMVs that quantize activations to int8 per 32 (kernels/npu/hvx_q4_gemv.py)
 SEQ_LEN = 5               # the symbolic seq_len of prefill kernels
 MAX_ARG_BYTES = 256 * 2**20   # bigger kernels (a 27B model's vocab GEMV) are only compiled: RAM and time
 AUTO_VERIFY_MAX_BYTES = 2**30   # bigger models verify only with --verify (minutes, GBs of random inputs)
@@ -72,8 +78,17 @@ def verdicts(target: Any, records: list[Any], verify: bool, twin: Any = None,
     on_host = {r.name for r in records if r.rule == "forced-cpu"}
     backend = backend_for(target)
     if backend.kind == "npu":
-        out = {r.name: not_executed("HVX: no Hexagon runtime / FastRPC here" if r.on_device
-                                    else "aarch64 CPU code") for r in records}
+        out = {r.name: not_executed("aarch64 CPU code") for r in records if not r.on_device}
+        npu = [r for r in records if r.on_device]
+        if verify == "qemu-hexagon" and mod is not None:
+            t0 = time.time()
+            out.update(hexagon_verdicts(mod, npu, target.npu))
+            return out, _summary(out, f"NPU kernels under qemu-hexagon vs LLVM ({time.time() - t0:.0f} s)")
+        missing = missing_tools()
+        why = ("HVX: build-time qemu-hexagon run off (--no-verify)" if not verify else
+               f"HVX: the qemu-hexagon harness needs apt-get install {' '.join(missing)}" if missing else
+               "HVX: not run at build time")
+        out.update({r.name: not_executed(why) for r in npu})
         return out, _summary(out, "none at build time")
     if backend.kind == "cpu":
         why = ("runs here with python -m pipeline run, not at build time" if target.runnable_here
@@ -308,6 +323,35 @@ def _compare(name: str, func: Any, reference: Any, args: list[np.ndarray], targe
     return executed(f"PoCL, {how}: MISMATCH vs {what}, rel. err {err:.1e}")
 
 
+def hexagon_verdicts(mod: Any, records: list[Any], npu: dict[str, Any]) -> dict[str, str]:
+    """Each NPU kernel's HVX object run under qemu-hexagon on random inputs and compared with its PrimFunc
+    built by LLVM here; a run qemu stops gets the packet it could not decode (or how it stopped)."""
+    with tempfile.TemporaryDirectory(prefix="hvx-exec-") as tmp:
+        kernels = hexagon_kernels(mod, records, npu, Path(tmp))
+        return {r.name: _hexagon_verdict(kernels, r.name, mod[r.name], r.rule) for r in records}
+
+
+def _hexagon_verdict(kernels: Any, name: str, func: Any, rule: str) -> str:
+    args = random_args(func, np.random.default_rng(0), {"seq_len": SEQ_LEN})
+    if sum(a.nbytes for a in args) > MAX_ARG_BYTES:
+        return not_executed(f"over {MAX_ARG_BYTES >> 20} MiB of arguments")
+    expected = run_on_llvm(func.with_attr("global_symbol", "main"), _copies(args))[-1]
+    try:
+        got = kernels.call(name, _copies(args))[-1]
+    except HexagonRunError as err:
+        stopped = kernels.diagnose(name, _copies(args))
+        if stopped is not None:
+            return not_executed(f"qemu-hexagon 7.2 cannot decode `{stopped.undecoded[0]}`: its HVX has no "
+                                "v68+ float instructions (hf / qf16 / qf32 / sf)")
+        return not_executed(f"qemu-hexagon stopped: {' '.join(str(err).split())[:160]}")
+    scale = max(float(np.abs(expected.astype(np.float64)).max()), 1e-30)
+    err = float(np.abs(got.astype(np.float64) - expected.astype(np.float64)).max()) / scale
+    int8 = rule == HVX_INT8_RULE
+    tolerance = INT8_ACTIVATION_TOLERANCE if int8 else HVX_FP16_TOLERANCE if expected.dtype == np.float16 else TOLERANCE
+    verdict = "matches LLVM" if err <= tolerance else "MISMATCH vs LLVM"
+    return executed(f"qemu-hexagon, HVX{', int8 activations' if int8 else ''}, {verdict}: rel. err {err:.1e}")
+
+
 def random_args(func: Any, rng: np.random.Generator, sizes: dict[str, int]) -> list[np.ndarray]:
     """Inputs for a kernel: random codes / normals, small in-range integers for ids and row indices."""
     args = []
@@ -420,6 +464,8 @@ def verify_mode(target: Any, verify: bool | None, weight_bytes: int) -> str | bo
         verify = bool(target.verify_kernels)
         if verify and weight_bytes > AUTO_VERIFY_MAX_BYTES:
             return "too-big"
+    if verify and backend_for(target).kind == "npu":
+        return "qemu-hexagon" if not missing_tools() else "no-qemu-hexagon"
     if not verify or not backend_for(target).verifies_on_opencl:
         return bool(verify)
     return "pocl" if verify_opencl.find_opencl_device() is not None else "no-device"
@@ -434,6 +480,11 @@ def record_execution(coverage: dict[str, Any], mod: Any, loaded: Any, quant: Any
             twin = twin_module(loaded, quant, target)
             reference = reference_module(loaded, quant)
             verdict, summary = verdicts(target, schedules, verify, twin, mod, reference)
+    elif verify == "qemu-hexagon":
+        with report.step("run NPU kernels under qemu-hexagon (HVX vs LLVM)"):
+            verdict, summary = verdicts(target, schedules, verify, mod=mod)
+        report.info(f"executed here: {summary['executed']} of {len(verdict)} kernels under qemu-hexagon "
+                    f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
     else:
         verdict, summary = verdicts(target, schedules, verify)
     annotate(coverage, verdict, summary)

@@ -31,6 +31,7 @@ from tvm.support import tar
 
 from pipeline.errors import CompileError
 from pipeline.kernels.cpu.schedule import _inline_producers
+from pipeline.kernels.npu.hvx_q4_gemv import HAND_WRITTEN, RULE, q4_gemv_like
 from pipeline.op_classes import classify
 from pipeline.op_classes import eval_shape as _eval
 
@@ -77,6 +78,8 @@ def hvx_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     Raises HvxScheduleError (never falls back silently): an unscheduled kernel is scalar Hexagon code, so
     the caller must place it on the CPU. For a reduction the output vector is vectorized before the
     reduction is decomposed: TVM refuses to vectorize the update block once its init is split off."""
+    if func.attrs and HAND_WRITTEN in func.attrs:   # written with HVX vectors already (kernels/npu/*.py)
+        return func
     prepared = _inline_producers(func)
     if prepared is None:
         raise HvxScheduleError(f"{SCHEDULE_FAILED}: no spatial output loop to vectorize")
@@ -98,6 +101,15 @@ def hvx_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
     except (s_tir.ScheduleError, tvm.error.InternalError) as err:   # TVM refused a primitive: say which
         raise HvxScheduleError(f"{SCHEDULE_FAILED}: {_one_line(err)}") from err
     return sch.mod["main"]
+
+
+def hvx_kernel(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, str]:
+    """(the kernel's HVX form, its rule): the hand-written vrmpy kernel for a q4 KN decode GEMV
+    (hvx_q4_gemv.py), else `hvx_schedule` (rule "hvx"). Raises HvxScheduleError like hvx_schedule."""
+    replacement = q4_gemv_like(func)
+    if replacement is not None:
+        return replacement, RULE
+    return hvx_schedule(func), "hvx"
 
 
 def find_objdump() -> str | None:
@@ -184,6 +196,7 @@ def partition(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any], vocab_
     supported = set(npu.get("op_classes") or ())
     out: list[Any] = []
     candidates: dict[str, tirx.PrimFunc] = {}
+    rules: dict[str, str] = {}
     for r in records:
         func = mod[r.name]
         cls = classify(r.name, func)
@@ -199,7 +212,8 @@ def partition(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any], vocab_
             out.append(replace(r, on_device=False, reason=f"op class {cls} not in the target's npu.op_classes"))
         else:
             try:
-                candidates[r.name] = hvx_schedule(func).with_attr("global_symbol", _symbol("", r.name))
+                kernel, rules[r.name] = hvx_kernel(func)
+                candidates[r.name] = kernel.with_attr("global_symbol", _symbol("", r.name))
                 out.append(r)
             except HvxScheduleError as err:
                 out.append(replace(r, on_device=False, reason=str(err)))
@@ -218,8 +232,8 @@ def partition(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any], vocab_
                                   reason=SCALAR))
         else:
             n = counts[r.name]
-            placed.append(replace(r, rule="hvx", on_device=True, hvx_instructions=n,
-                                  reason=f"HVX: {n} vector instructions, compiled, not executed"))
+            placed.append(replace(r, rule=rules[r.name], on_device=True, hvx_instructions=n,
+                                  reason=f"HVX: {n} vector instructions ({rules[r.name]})"))
     return placed
 
 
@@ -227,8 +241,8 @@ def placement_lines(records: list[Any]) -> list[str]:
     """One build-output line per HVX candidate: its instruction count on the NPU, or why it is on the CPU."""
     lines = []
     for r in records:
-        if r.on_device and r.rule == "hvx":
-            lines.append(f"NPU {r.name}: {r.hvx_instructions} HVX instructions")
+        if r.on_device and r.rule in ("hvx", RULE):
+            lines.append(f"NPU {r.name}: {r.hvx_instructions} HVX instructions ({r.rule})")
         elif r.reason.startswith(CPU_FALLBACKS):
             lines.append(f"CPU {r.name}: {r.reason}")
     return lines
@@ -239,7 +253,7 @@ def build_npu_library(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any]
     """The NPU-placed kernels, HVX-scheduled and compiled for Hexagon, as a `.tar` of objects; None when no
     kernel got HVX code (the CPU library then runs everything)."""
     target = _target(npu)
-    funcs = {r.name: hvx_schedule(mod[r.name]).with_attr("global_symbol", _symbol(prefix, r.name))
+    funcs = {r.name: hvx_kernel(mod[r.name])[0].with_attr("global_symbol", _symbol(prefix, r.name))
              for r in records if r.on_device}
     if not funcs:
         return None
