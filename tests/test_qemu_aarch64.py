@@ -8,7 +8,9 @@ inputs (decode and prefill variants, seq_len 5) and compared with the same fused
 for this x86 machine. The slow test does the same on the default model's real android-cpu bundle.
 
 Tolerances: fp32 build (the target's dict with float32 compute) <= 1e-5 of the output's scale. fp16 build
-(the target as shipped): every kernel but the matmuls bit-identical; matmuls within 4 fp16 ulps of the
+(the target as shipped): every fp16 kernel but the matmuls bit-identical; the fp32 ones (the sampler's softmax: its
+exp polynomial) within 1e-6, as the aarch64 back end contracts a * b + c into one fused multiply-add where x86's
+build rounds twice; matmuls within 4 fp16 ulps of the
 output's scale (4 * 2^-10): their inner loop is one native fp16 fused multiply-add on aarch64 (`fmadd h`,
 one rounding), while x86 has no fp16 arithmetic and LLVM rounds the product and the sum separately. The
 quantized matmuls that take arm.py's sdot kernels (x rounded per block to two bytes; fp32 sums) against the
@@ -40,6 +42,7 @@ SMOLLM2_SHAPE = dict(architectures=["LlamaForCausalLM"], hidden_size=576, interm
 KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_single_page", "merge_state",
              "fused_rope")
 FP16_ULP = 2.0 ** -10
+FP32_CONTRACTION = 1e-6   # fp32 kernels of an fp16 build: aarch64 fuses multiply-adds, x86 rounds twice
 # the sdot kernels' quantized activations (tests/test_arm_kernels.py): two bytes (the default) or int8
 SDOT_FP32_TOLERANCE = 1e-4 if X_BYTES == 2 else 2e-2
 SDOT_FP16_TOLERANCE = 2e-2   # the x86 fp16 reference sums K products in fp16 itself (measured up to 1.05e-2)
@@ -70,8 +73,8 @@ def _args(func: tirx.PrimFunc, rng, seq_len: int = 5) -> list[np.ndarray]:
         shape = tuple(int(d) if isinstance(d, int | tirx.IntImm) else seq_len for d in spec.shape)
         if spec.dtype == "uint32":
             args.append(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
-        elif spec.dtype.startswith("int"):          # token ids / row indices: small, in range
-            args.append(rng.integers(0, 16, shape).astype(spec.dtype))
+        elif spec.dtype.startswith("int"):          # token ids / row or position indices: small, in range
+            args.append(rng.integers(0, min(16, seq_len), shape).astype(spec.dtype))
         else:
             args.append(rng.standard_normal(shape).astype(spec.dtype))
     return args
@@ -116,9 +119,21 @@ def _sdot_kernels(mod: tvm.IRModule) -> set[str]:
     return {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and arm_dot_like(f) is not None}
 
 
-def _check_fp16(errors: dict[str, float], sdot: set[str]) -> None:
+def _fp32_kernels(mod: tvm.IRModule) -> set[str]:
+    """Kernels of an fp16 build whose every floating-point buffer is fp32 (the engine's sampler kernels)."""
+    out = set()
+    for gv, f in mod.functions_items():
+        if isinstance(f, tirx.PrimFunc):
+            floats = {param_spec(p).dtype for p in f.params if param_spec(p).dtype.startswith("float")}
+            if floats == {"float32"}:
+                out.add(gv.name_hint)
+    return out
+
+
+def _check_fp16(errors: dict[str, float], sdot: set[str], fp32: set[str]) -> None:
     assert sdot and sdot <= set(errors), sorted(sdot)
-    assert not {n: e for n, e in errors.items() if not _is_matmul(n) and e != 0.0}
+    assert not {n: e for n, e in errors.items() if not _is_matmul(n) and n not in fp32 and e != 0.0}
+    assert not {n: e for n, e in errors.items() if not _is_matmul(n) and n in fp32 and not e <= FP32_CONTRACTION}
     assert not {n: e for n, e in errors.items() if _is_matmul(n) and n not in sdot and e > 4 * FP16_ULP}
     assert not {n: e for n, e in errors.items() if n in sdot and e > SDOT_FP16_TOLERANCE}
 
@@ -140,7 +155,7 @@ def test_fp16_kernels_match_x86(tmp_path):
     errors, kv_driven = compare_kernels(kernels, mod)
     _report(errors, kv_driven, "fp16, as shipped")
     assert len(errors) >= 20
-    _check_fp16(errors, _sdot_kernels(mod))
+    _check_fp16(errors, _sdot_kernels(mod), _fp32_kernels(mod))
 
 
 @pytest.mark.slow
@@ -160,4 +175,4 @@ def test_default_model_android_cpu_bundle_under_qemu(tmp_path, build_bundle):
     mod = fuse(define(loaded, quant, target), target)
     errors, kv_driven = compare_kernels(kernels, mod)
     _report(errors, kv_driven, "default model bundle, fp16")
-    _check_fp16(errors, _sdot_kernels(mod))
+    _check_fp16(errors, _sdot_kernels(mod), _fp32_kernels(mod))
