@@ -1,8 +1,9 @@
-"""Instruction, vector-instruction and memory-byte counts of aarch64 programs under qemu-aarch64.
+"""Instruction, vector-instruction and memory-byte counts of aarch64 (qemu-aarch64) and Hexagon (qemu-hexagon) programs.
 
 The counting is done by the project's TCG plugin (benchmarks/native/insn_counter.c), built with this machine's
 gcc into `.cache/qemu-plugin/<source hash>/insn_counter.so` the first time it is needed. `run()` executes a
-static aarch64 program under `qemu-aarch64 -plugin ...` and returns its counts: whole-program totals and the
+static aarch64 program under `qemu-aarch64 -plugin ...` (or a Hexagon one under qemu-hexagon: counts are then
+packets, and vector ones name an HVX register) and returns its counts: whole-program totals and the
 part executed inside given address ranges (e.g. a kernel's symbols, `symbol_ranges()`), summed over all guest
 threads. The counts are exact for the code qemu executes; what they mean for a phone is the benchmark's model.
 """
@@ -21,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path(__file__).resolve().parent / "native" / "insn_counter.c"
 CACHE = Path(os.environ.get("QEMU_PLUGIN_CACHE", ROOT / ".cache" / "qemu-plugin"))
-TOOLS = {"gcc": "gcc", "qemu-aarch64": "qemu-user", "aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu"}
+TOOLS = {"gcc": "gcc", "qemu-aarch64": "qemu-user", "qemu-hexagon": "qemu-user",
+         "aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu"}
 COUNT_KEYS = ("insns", "vector_insns", "loads", "load_bytes", "stores", "store_bytes")
 
 
@@ -71,32 +73,37 @@ def plugin_path(cache: Path = CACHE) -> Path:
 
 
 def run(argv: list[str], ranges: list[tuple[int, int]] = (), timeout: float = 1800,
-        env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[Counts, subprocess.CompletedProcess]:
-    """Run the aarch64 program `argv` under qemu-aarch64 with the plugin; its counts and the finished process."""
-    missing = missing_tools(("qemu-aarch64",))
+        env: dict[str, str] | None = None, cwd: Path | None = None, qemu: str = "qemu-aarch64",
+        stdin: bytes | None = None) -> tuple[Counts, subprocess.CompletedProcess]:
+    """Run the program `argv` under `qemu` (qemu-aarch64 or qemu-hexagon) with the plugin, `stdin` as its
+    input; its counts and the finished process (stdout / stderr as text, or bytes when `stdin` is given)."""
+    missing = missing_tools((qemu,))
     if missing:
-        raise CounterError(f"qemu-aarch64 not found — fix: apt-get install {' '.join(missing)}")
+        raise CounterError(f"{qemu} not found — fix: apt-get install {' '.join(missing)}")
     plugin = plugin_path()
     with tempfile.TemporaryDirectory(prefix="qemu-count-") as tmp:
         out = Path(tmp) / "counts.json"
         args = [f"out={out}"] + [f"range={lo:#x}-{hi:#x}" for lo, hi in ranges]
-        cmd = ["qemu-aarch64", "-plugin", ",".join([str(plugin), *args]), *map(str, argv)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        cmd = [qemu, "-plugin", ",".join([str(plugin), *args]), *map(str, argv)]
+        done = subprocess.run(cmd, capture_output=True, text=stdin is None, input=stdin, timeout=timeout, env=env,
+                              cwd=cwd)
+        err = done.stderr if stdin is None else done.stderr.decode(errors="replace")
         if done.returncode != 0:
-            raise CounterError(f"{Path(argv[0]).name} failed under qemu-aarch64 (exit {done.returncode}): "
-                               f"{done.stderr.strip()[-400:]}")
+            raise CounterError(f"{Path(argv[0]).name} failed under {qemu} (exit {done.returncode}): "
+                               f"{err.strip()[-400:]}")
         if not out.exists():
-            raise CounterError(f"the plugin wrote no counts for {Path(argv[0]).name}: {done.stderr.strip()[-300:]}")
+            raise CounterError(f"the plugin wrote no counts for {Path(argv[0]).name}: {err.strip()[-300:]}")
         data = json.loads(out.read_text())
     return Counts(data["total"], data["range"], data["per_vcpu_insns"]), done
 
 
-def symbol_ranges(binary: Path, names: set[str] | None = None, prefix: str = "") -> dict[str, tuple[int, int]]:
-    """Function symbols of a static aarch64 binary with their [lo, hi) address ranges (`nm -S`): those named in
-    `names`, or all starting with `prefix`."""
-    nm = shutil.which("aarch64-linux-gnu-nm") or shutil.which("nm")
+def symbol_ranges(binary: Path, names: set[str] | None = None, prefix: str = "",
+                  nm: str | None = None) -> dict[str, tuple[int, int]]:
+    """Function symbols of a static aarch64 (or, with nm="llvm-nm", Hexagon) binary with their [lo, hi) address
+    ranges (`nm -S`): those named in `names`, or all starting with `prefix`."""
+    nm = shutil.which(nm) if nm else shutil.which("aarch64-linux-gnu-nm") or shutil.which("nm")
     if nm is None:
-        raise CounterError("nm not found — fix: apt-get install binutils-aarch64-linux-gnu")
+        raise CounterError("nm not found — fix: apt-get install binutils-aarch64-linux-gnu (llvm for llvm-nm)")
     out = subprocess.run([nm, "-S", "--defined-only", str(binary)], capture_output=True, text=True, check=True)
     found = {}
     for line in out.stdout.splitlines():

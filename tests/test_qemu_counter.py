@@ -85,3 +85,42 @@ def test_exact_counts_inside_the_loop_symbol(program, n, threads):
 def test_bad_plugin_argument_fails_in_one_line(program):
     with pytest.raises(qc.CounterError):
         qc.run([program, "1", "1"], [(0x200, 0x100 + 0x10)])   # hi <= lo
+
+
+# Hexagon: qemu translates a packet as one guest instruction. `count_loop` runs 4 packets per iteration, two of
+# them HVX (a 128-byte vmem load, a vector add), n times; the vmem load is 128 bytes (qemu: 16 accesses of 8).
+HEXAGON_PROGRAM = """\t.text
+\t.globl _start
+_start:
+\t{ r0 = #%d }
+\t{ r1 = add(r29, #-512) }
+\t.globl count_loop
+\t.type count_loop,@function
+count_loop:
+\t{ v0 = vmem(r1+#0) }
+\t{ v1.w = vadd(v0.w, v0.w) }
+\t{ r0 = add(r0, #-1) }
+\t{ p0 = cmp.gt(r0, #0); if (p0.new) jump:t count_loop }
+\t.size count_loop, .-count_loop
+\t{ r0 = #0; r6 = #93 }
+\t{ trap0(#1) }
+"""
+
+
+@pytest.mark.parametrize("n", [1000, 3000])
+def test_exact_hexagon_packet_counts(tmp_path, n):
+    from pipeline.verify import qemu_hexagon as qh
+
+    if qh.missing_tools():
+        pytest.skip(f"needs Debian packages {qh.missing_tools()} (make system-deps)")
+    (tmp_path / "loop.S").write_text(HEXAGON_PROGRAM % n)
+    obj, exe = tmp_path / "loop.o", tmp_path / "loop"
+    subprocess.run([qh._tool("clang"), "--target=hexagon-unknown-none-elf", "-mcpu=hexagonv67", "-mhvx",
+                    "-mhvx-length=128b", "-c", str(tmp_path / "loop.S"), "-o", str(obj)], check=True)
+    subprocess.run([qh._tool("ld.lld"), "-static", "-e", "_start", str(obj), "-o", str(exe)], check=True)
+    qh.set_qemu_cpu_flags(exe)
+    ranges = qc.symbol_ranges(exe, {"count_loop"}, nm=qh._tool("llvm-nm"))
+    counts, _ = qc.run([exe], list(ranges.values()), qemu="qemu-hexagon", stdin=b"")
+    got = counts.range
+    assert (got["insns"], got["vector_insns"], got["load_bytes"], got["stores"]) == (4 * n, 2 * n, 128 * n, 0)
+    assert counts.total["insns"] == got["insns"] + 4          # _start's two packets before, two after

@@ -1,9 +1,12 @@
 /*
- * QEMU 7.2 TCG plugin (plugin API v1) for qemu-aarch64 user mode: what an aarch64 program executes, as counts.
+ * QEMU 7.2 TCG plugin (plugin API v1) for qemu-aarch64 and qemu-hexagon user mode: what a program executes, as
+ * counts.
  *
  * Counts, for the whole program and for code inside a set of address ranges [lo, hi) (e.g. a kernel's symbols
  * from `nm -S`): guest instructions, instructions that name a SIMD vector register (v<n>., q<n> or SVE z<n> in
- * their disassembly), load / store accesses and their bytes. Instruction counts are added per translation block
+ * their disassembly), load / store accesses and their bytes. Under qemu-hexagon an "instruction" is a packet
+ * (qemu translates a Hexagon packet as one guest instruction) and a vector one names an HVX register (V<n> or
+ * Q<n> in qemu's packet disassembly). Instruction counts are added per translation block
  * when it executes (a TB runs to its end in user mode), memory per access. Every vCPU (each guest thread under
  * qemu-user) adds into its own slot with relaxed atomics, so a program's threads never lose counts.
  *
@@ -87,8 +90,22 @@ static bool in_ranges(uint64_t pc) {
 
 static bool is_reg_char(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || c == '_'; }
 
-/* Does the operand text name v<n> (followed by '.', e.g. v3.4s or v3.s[1]), q<n> or z<n>? */
+/* Does the operand text name v<n> (followed by '.', e.g. v3.4s or v3.s[1]), q<n> or z<n> (aarch64, lower case),
+ * or an HVX vector / predicate register V<n> / Q<n> (Hexagon packets, upper case: V0.w, V1:0, Q2)? */
+static bool is_upper(char c) { return c >= 'A' && c <= 'Z'; }
+
+static bool names_hvx_register(const char* text, const char* p) {
+  if ((*p != 'V' && *p != 'Q') || (p > text && (is_reg_char(p[-1]) || is_upper(p[-1])))) return false;
+  const char* d = p + 1;
+  if (*d < '0' || *d > '9') return false;
+  while (*d >= '0' && *d <= '9') ++d;
+  return !is_reg_char(*d) && !is_upper(*d);
+}
+
 static bool names_vector_register(const char* disas) {
+  for (const char* p = disas; *p; ++p) {
+    if (names_hvx_register(disas, p)) return true;
+  }
   const char* ops = strchr(disas, ' ');
   if (!ops) return false;
   for (const char* p = ops; *p; ++p) {

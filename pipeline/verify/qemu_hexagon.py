@@ -103,10 +103,15 @@ def link_harness(objects: list[Path], out: Path) -> Path:
                   "-ffreestanding", "-nostdlib", "-Wall", "-I", include, "-c", src, "-o", obj], "compiling the harness")
         compiled.append(obj)
     _checked([_tool("ld.lld"), "-static", "-e", "_start", *compiled, *objects, "-o", out], "linking the harness")
-    with open(out, "r+b") as f:   # see the module docstring: qemu-hexagon 7.2 loads nothing newer than v67
+    return set_qemu_cpu_flags(out)
+
+
+def set_qemu_cpu_flags(executable: Path) -> Path:
+    """Mark a Hexagon executable as v67 code (see the module docstring: qemu-hexagon 7.2 loads nothing newer)."""
+    with open(executable, "r+b") as f:
         f.seek(E_FLAGS_OFFSET)
         f.write(struct.pack("<I", QEMU_CPU_FLAGS))
-    return out
+    return Path(executable)
 
 
 @dataclass(frozen=True)

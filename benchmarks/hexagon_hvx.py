@@ -1,0 +1,160 @@
+"""The HVX decode GEMVs counted packet by packet under qemu-hexagon (issue #38 item 4).
+
+The android-hexagon build places SmolLM2's q4 KN decode GEMVs on the NPU as kernels/npu/hvx_q4_gemv.py's vrmpy
+kernel. Here each of the four layer GEMV shapes (qkv, o_proj, gate_up, down: read from the model's config) is
+built for Hexagon v73 exactly as the build builds it, linked into the freestanding harness
+(pipeline/verify/qemu_hexagon.py), run once on random weights under `qemu-hexagon` with the project's counting
+plugin (benchmarks/native/insn_counter.c) restricted to the kernel's own symbols, and its result checked
+against numpy before its counts are kept. qemu translates a Hexagon packet as one guest instruction, so the
+counts are packets; an HVX packet is one naming an HVX register. Loads are bytes the kernel loads (cache hits
+included), against the bytes of its q4 weights (codes + fp16 scales).
+
+    .venv/bin/python benchmarks/hexagon_hvx.py          # ~1 minute; results in benchmarks/results/hexagon_hvx.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:   # run as a script: import the checkout's pipeline/ and benchmarks/
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from benchmarks import qemu_counter as qc  # noqa: E402
+
+# A published peer figure, for scale only (whole-model decode on a phone; no per-weight count is published):
+# llama.cpp's Hexagon backend decodes Qwen3-8B Q4_K_M at 6.7 tok/s on a Snapdragon 8 Elite Gen 5.
+PEER = "llama.cpp Hexagon backend: Qwen3-8B Q4_K_M 6.7 tok/s on Snapdragon 8 Elite Gen 5 (published; whole model)"
+# PREDICTION model (assumptions, not a datasheet): one packet per cycle per HVX context, HVX clock 1.0 GHz,
+# the step's GEMVs split over `contexts` contexts with no overhead; memory floor at the phone's bandwidth.
+HVX_CLOCK_GHZ = 1.0
+BANDWIDTH_GBS = 76.8
+
+
+def layer_shapes(decoder) -> dict[str, tuple[int, int]]:
+    """(K, N) of one decoder layer's decode GEMVs."""
+    h, d = decoder.hidden_size, decoder.head_dim
+    qkv = (decoder.num_attention_heads + 2 * decoder.num_key_value_heads) * d
+    return {"qkv": (h, qkv), "o_proj": (decoder.num_attention_heads * d, h),
+            "gate_up": (h, 2 * decoder.intermediate_size), "down": (decoder.intermediate_size, h)}
+
+
+def measure(shapes: dict[str, tuple[int, int]], folder: Path, seed: int = 0) -> dict[str, dict]:
+    """Counts per GEMV shape (one call each), after checking each result against numpy."""
+    import tvm
+
+    from pipeline.compiler.schedule import KernelSchedule
+    from pipeline.config import load_target
+    from pipeline.kernels.npu.hvx_q4_gemv import RULE, q4_gemv
+    from pipeline.quant.quantize import dequantize_q4, quantize_q4
+    from pipeline.verify import qemu_hexagon as qh
+
+    funcs = {name: q4_gemv(k, n) for name, (k, n) in shapes.items()}
+    kernels = qh.hexagon_kernels(tvm.IRModule(funcs), [KernelSchedule(n, RULE, True) for n in funcs],
+                                 load_target("android-hexagon").npu, folder)
+    symbols = qc.symbol_ranges(kernels.harness, nm=qh._tool("llvm-nm"), prefix="")
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (k, n) in shapes.items():
+        codes, scales = quantize_q4((rng.standard_normal((n, k)) * 0.05).astype(np.float32), "KN")
+        x = rng.standard_normal((1, 1, k)).astype(np.float16)
+        args = [codes, scales, x, np.zeros((1, 1, n), np.float16)]
+        got = kernels.call(name, args)[-1][0, 0].astype(np.float64)
+        exact = x[0, 0].astype(np.float64) @ dequantize_q4(codes, scales, "KN").astype(np.float64).T
+        rel = float(np.abs(got - exact).max() / np.abs(exact).max())
+        if rel > 2e-2:
+            raise RuntimeError(f"{name}: the HVX GEMV's result differs from numpy by {rel:.3g} of scale")
+        # the kernel's packed-call entry and its compute function (TVM names it <kernel>_compute_)
+        own = [r for s, r in symbols.items() if s == qh.SYMBOL_PREFIX + kernels.prefix + name
+               or (s.startswith(kernels.prefix + name) and s.endswith("_compute_"))]
+        if len(own) != 2:
+            raise RuntimeError(f"{name}: expected its entry and compute symbols in the harness, found {len(own)}")
+        counts, _ = qc.run([kernels.harness], own, qemu="qemu-hexagon",
+                           stdin=qh._request(qh.SYMBOL_PREFIX + kernels.prefix + name, args))
+        c, weights = counts.range, k * n
+        out[name] = {"k": k, "n": n, "weights": weights, "weight_bytes": codes.nbytes + scales.nbytes,
+                     "packets": c["insns"], "hvx_packets": c["vector_insns"], "load_bytes": c["load_bytes"],
+                     "store_bytes": c["store_bytes"], "packets_per_weight": c["insns"] / weights,
+                     "hvx_share": c["vector_insns"] / c["insns"], "rel_err_vs_numpy": rel}
+    return out
+
+
+def summary(rows: dict[str, dict], layers: int, contexts: int) -> dict:
+    """Per decode token (all layers' GEMVs) and the PREDICTION."""
+    packets = layers * sum(r["packets"] for r in rows.values())
+    weight_bytes = layers * sum(r["weight_bytes"] for r in rows.values())
+    weights = layers * sum(r["weights"] for r in rows.values())
+    compute_s = packets / (contexts * HVX_CLOCK_GHZ * 1e9)
+    memory_s = weight_bytes / (BANDWIDTH_GBS * 1e9)
+    return {"layers": layers, "packets_per_token": packets, "weights": weights,
+            "packets_per_weight": packets / weights,
+            "hvx_share": layers * sum(r["hvx_packets"] for r in rows.values()) / packets,
+            "load_bytes_per_weight_byte": layers * sum(r["load_bytes"] for r in rows.values()) / weight_bytes,
+            "prediction": {"contexts": contexts, "hvx_clock_ghz": HVX_CLOCK_GHZ, "bandwidth_gbs": BANDWIDTH_GBS,
+                           "gemv_ms_per_token": 1e3 * max(compute_s, memory_s),
+                           "bound": "compute" if compute_s > memory_s else "memory"}}
+
+
+def markdown(result: dict) -> str:
+    s = result["per_token"]
+    p = s["prediction"]
+    lines = [f"# HVX decode GEMVs under qemu-hexagon ({result['date']}, commit {result['commit']})", "",
+             f"{result['model']}, q4 KN, kernels/npu/hvx_q4_gemv.py (vrmpy, int8 activations per group of 32), one "
+             "call per shape on random weights, result checked against numpy; counted inside the kernel's symbols. "
+             "A packet is what qemu counts as one Hexagon instruction; an HVX packet names an HVX register.", "",
+             "| GEMV | K x N | packets | per weight | HVX packets | load bytes / weight bytes | rel. err vs numpy |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in result["kernels"].items():
+        lines.append(f"| {name} | {r['k']} x {r['n']} | {r['packets']:,} | {r['packets_per_weight']:.3f} | "
+                     f"{r['hvx_share']:.0%} | {r['load_bytes'] / r['weight_bytes']:.2f} | {r['rel_err_vs_numpy']:.1e} |")
+    lines += ["", f"Per decoded token ({s['layers']} layers' GEMVs, {s['weights'] / 1e6:.1f} M weights): "
+              f"{s['packets_per_token'] / 1e6:.1f} M packets, {s['packets_per_weight']:.3f} per weight, "
+              f"{s['hvx_share']:.0%} HVX packets, {s['load_bytes_per_weight_byte']:.2f} bytes loaded per weight byte.", "",
+              f"PREDICTION (a model, not a measurement): one packet per cycle per HVX context, HVX clock "
+              f"{p['hvx_clock_ghz']} GHz (assumed), {p['contexts']} contexts with no overhead, "
+              f"{p['bandwidth_gbs']} GB/s: these GEMVs take {p['gemv_ms_per_token']:.2f} ms per token ({p['bound']} bound).",
+              "", f"Peer, for scale: {PEER}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import load_model
+    from pipeline.stages import load
+    from pipeline.verify import qemu_hexagon as qh
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--contexts", type=int, default=4, help="HVX contexts the PREDICTION splits the work over")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args(argv)
+    missing = qh.missing_tools() + qc.missing_tools(("gcc",))
+    if missing:
+        print(f"error: needs Debian packages {' '.join(missing)} (make system-deps)", file=sys.stderr)
+        return 2
+    decoder = load(load_model(args.model)).decoder
+    with tempfile.TemporaryDirectory(prefix="hexagon-hvx-") as tmp:
+        rows = measure(layer_shapes(decoder), Path(tmp))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    result = {"date": datetime.date.today().isoformat(), "commit": commit, "model": args.model,
+              "kernels": rows, "per_token": summary(rows, decoder.num_hidden_layers, args.contexts), "peer": PEER}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(result, indent=2) + "\n"), (".md", markdown(result))):
+        path = args.out / f"hexagon_hvx{suffix}"
+        tmp_path = path.with_suffix(path.suffix + ".tmp")
+        tmp_path.write_text(text)
+        tmp_path.replace(path)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
