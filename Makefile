@@ -34,7 +34,7 @@ export TRANSFORMERS_OFFLINE := 1
 export MODEL TARGET QUANT OUT PHONE FORCE_CPU PROMPT RUN_TARGET RUN_QUANT MAX_NEW_TOKENS RPC TRIALS KERNELS \
        CALIB KV RELEASE RELEASE_OUT MATRIX BUNDLE
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash bench-phone-cpu llamacpp release release-matrix mlc-engine conformance bench-mlc-engine
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash bench-phone-cpu bench-hexagon llamacpp release release-matrix mlc-engine conformance bench-mlc-engine
 
 setup: $(STAMP)
 
@@ -184,6 +184,10 @@ bench-host-overhead: $(STAMP)
 PHONE_CPU_ARGS ?=
 bench-phone-cpu: $(STAMP) system-deps
 	$(PY) benchmarks/phone_cpu.py $(PHONE_CPU_ARGS)
+
+# The HVX decode GEMVs counted packet by packet under qemu-hexagon (benchmarks/hexagon_hvx.py, ~1 min).
+bench-hexagon: $(STAMP) system-deps
+	$(PY) benchmarks/hexagon_hvx.py
 
 # The weights' content key: sha256 + NaN / inf check over a few GB of synthetic bf16 safetensors, GB/s and the
 # time for a 54 GB checkpoint (benchmarks/hash_speed.py; HASH_ARGS="--gb 4 --dir /fast/disk").

@@ -10,11 +10,14 @@ follows the integer route (the approach of llama.cpp's Hexagon backend, written 
    x 8 nibbles); `v & 0x0f0f0f0f` holds the codes of the even k, `(v >> 4) & 0x0f0f0f0f` those of the odd k,
    and `vrmpy(Vu.ub, Rt.b)` adds, per column, four code x activation products, Rt holding 4 int8
    activations: 8 vrmpy per group and 32 columns, int32 accumulators;
-3. per group and column, the integer sum minus 7 x the group's activation sum (the codes' zero point) is
-   scaled by weight scale x activation scale into an fp32 accumulator, in scalar Hexagon floating point;
+3. per group: the accumulators start at -7 x the group's activation sum (the codes' zero point), and the 32
+   columns' fp16 scales are turned into fp32 bit patterns in HVX integer lanes (sign, then exponent and mantissa
+   shifted into place without rebasing: scale x 2^-112, exact, subnormal fp16 included; the activation scale
+   carries the 2^112); then per column one int -> float conversion and the scaling by weight scale x activation
+   scale into an fp32 accumulator, in scalar Hexagon floating point;
 4. the fp32 sums are rounded to fp16 (nearest even) by integer bit arithmetic (no `__truncsfhf2` call).
 
-Step 3 is scalar on purpose: HVX float (qf32, v68+) would be the fast choice on a v73 phone, but qemu-hexagon
+Step 3's float part is scalar on purpose: HVX float (qf32, v68+) would be the fast choice on a v73 phone, but qemu-hexagon
 7.2 does not decode it, and a kernel that cannot be executed here could not be checked against numpy.
 Numerics: the int8 activations add an error of about 0.5% of max|x| per group (llama.cpp's Q8 activations).
 """
@@ -97,6 +100,7 @@ def q4_gemv(k: int, n: int) -> tirx.PrimFunc:
         x_scale = T.alloc_buffer((groups,), "float32")
         x_sum = T.alloc_buffer((groups,), "int32")
         acc = T.alloc_buffer((LANES,), "int32")
+        w_bits = T.alloc_buffer((LANES,), "int32")     # a group's 32 weight scales, as fp32 bits of scale x 2^-112
         out = T.alloc_buffer((LANES,), "float32")
         # 1. int8 activations per group, packed 4 to a word as vrmpy reads them
         for g in range(groups):
@@ -117,13 +121,13 @@ def q4_gemv(k: int, n: int) -> tirx.PrimFunc:
                     x_odd[g * WORDS + w] = T.bitwise_or(x_odd[g * WORDS + w],
                                                         T.shift_left(T.bitwise_and(q_odd, 0xFF), 8 * j))
                     x_sum[g] = x_sum[g] + q_even + q_odd
-            x_scale[g] = x_scale[g] / T.float32(127)
+            x_scale[g] = x_scale[g] / T.float32(127) * T.float32(2.0 ** 112)   # x 2^112: see w_bits
         # 2.-4. per block of 32 output columns
         for nb in range(n // LANES):
             for j in range(LANES):
                 out[j] = T.float32(0)
             for g in range(groups):
-                acc[T.ramp(0, 1, LANES)] = T.broadcast(T.int32(0), LANES)
+                acc[T.ramp(0, 1, LANES)] = T.broadcast(T.int32(ZERO) * -x_sum[g], LANES)   # the zero point
                 for w in T.unroll(WORDS):
                     v = T.meta_var(T.reinterpret("int32x32", codes.vload([g * WORDS + w, nb * LANES], "uint32x32")))
                     even = T.meta_var(T.bitwise_and(v, T.broadcast(T.int32(NIBBLES), LANES)))
@@ -133,10 +137,17 @@ def q4_gemv(k: int, n: int) -> tirx.PrimFunc:
                         "int32x32", VRMPY_ACC, acc.vload([0], "int32x32"), even, x_even[g * WORDS + w])
                     acc[T.ramp(0, 1, LANES)] = T.call_llvm_pure_intrin(
                         "int32x32", VRMPY_ACC, acc.vload([0], "int32x32"), odd, x_odd[g * WORDS + w])
+                # the group's fp16 scales as fp32 bits in HVX integer lanes: sign, then exponent and mantissa
+                # shifted into place unrebased, i.e. scale x 2^-112 (an fp32 denormal when the fp16 is subnormal:
+                # exact either way); x_scale carries the 2^112 back. Scales are finite (NaN / inf are refused
+                # when a bundle is converted).
+                h = T.meta_var(T.Cast("int32x32", T.reinterpret("uint16x32", scales.vload([g, nb * LANES],
+                                                                                           "float16x32"))))
+                w_bits[T.ramp(0, 1, LANES)] = T.bitwise_or(
+                    T.shift_left(T.bitwise_and(h, T.broadcast(T.int32(0x8000), LANES)), T.broadcast(T.int32(16), LANES)),
+                    T.shift_left(T.bitwise_and(h, T.broadcast(T.int32(0x7FFF), LANES)), T.broadcast(T.int32(13), LANES)))
                 for j in range(LANES):
-                    w_scale = T.meta_var(f16_bits_to_f32(T.Cast("int32", T.reinterpret("uint16",
-                                                                                     scales[g, nb * LANES + j]))))
-                    out[j] = out[j] + T.Cast("float32", acc[j] - ZERO * x_sum[g]) * (w_scale * x_scale[g])
+                    out[j] = out[j] + T.Cast("float32", acc[j]) * (T.reinterpret("float32", w_bits[j]) * x_scale[g])
             for j in range(LANES):
                 y[0, 0, nb * LANES + j] = T.reinterpret("float16", T.Cast("uint16", f32_to_f16_bits(out[j])))
 
