@@ -288,14 +288,14 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         unscheduled = {gv.name_hint: f for gv, f in mod.functions_items()}
         with report.step(backend.tune_step):
             mod, schedules = tune(mod, target)
-        schedules = backend.place(mod, schedules, loaded.decoder.vocab_size, report)
+        schedules = backend.place(mod, schedules, loaded.decoder.vocab_size, report, unscheduled)
         mod, schedules = forcing.apply(mod, unscheduled, schedules, forced, target)
         if forced:
             n = sum(1 for s in schedules if s.rule == "forced-cpu")
             report.info(f"force_cpu: {n} kernel(s) of {', '.join(forced)} pinned to the CPU")
         coverage = coverage_report(mod, schedules, target, prefill_chunk=loaded.decoder.prefill_chunk_size,
                                    param_names=[n for n, _ in defined.params])
-        record_execution(coverage, mod, loaded, quant, target, schedules, verify, report)
+        record_execution(coverage, backend.device_module(mod), loaded, quant, target, schedules, verify, report)
         coverage["splits"] = list(defined.splits)
         coverage["largest_parameter"] = _largest_parameter(defined, target)
         mod, regions = backend.finish(mod)   # after the report: it lists the kernels, not the regions

@@ -107,3 +107,24 @@ def test_android_cpu_dequant_matmuls_get_the_sdot_kernel(loaded, quant, formats)
     plain = dataclasses.replace(target, tvm_target={**target.tvm_target, "mattr": ["+neon", "+fullfp16"]})
     _, records = tune(fuse(define(loaded, load_quant(quant), plain), plain), plain)
     assert "cpu_arm_dot" not in {r.rule for r in records}
+
+
+def test_android_hexagon_cpu_half_q4_matmuls_get_the_kn_sdot_kernel(loaded):
+    """android-hexagon's aarch64 library (KN codes, the lm_head and every NPU kernel's fallback): each q4 decode
+    GEMV and prefill matmul is arm_kn.py's sdot kernel under cpu_arm_dot; the NPU still gets its kernels from
+    the fused functions (NpuBackend.place takes them unscheduled), so placement is what it was."""
+    from pipeline.compiler.backend import backend_for
+
+    target = load_target("android-hexagon")
+    fused = fuse(define(loaded, load_quant("q4f16"), target), target)
+    unscheduled = {gv.name_hint: f for gv, f in fused.functions_items()}
+    mod, records = tune(fused, target)
+    kernels = _kernels(mod, DEQUANT)
+    assert kernels and {DEQUANT.fullmatch(name).group(1) for name in kernels} == {"q4"}
+    rules = {r.name: r.rule for r in records}
+    for name, func in kernels.items():
+        assert rules[name] == "cpu_arm_dot" and not block_names(func), name
+        assert "llvm.aarch64.neon.sdot" in func.script(), name
+    placed = backend_for(target).place(mod, records, SMALL["vocab_size"], unscheduled=unscheduled)
+    on_npu = {r.name: r.rule for r in placed if r.on_device}
+    assert {on_npu.get(n) for n in kernels if "lm_head" not in n} >= {"hvx-q4-vrmpy", "hvx"}, on_npu

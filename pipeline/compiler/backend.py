@@ -44,9 +44,14 @@ class Backend:
         return schedule_module(mod, self.spec.tvm(), self.spec.schedule_rules, self.spec.device, tuned)
 
     def place(self, mod: tvm.IRModule, schedules: list[KernelSchedule], vocab_size: int,
-              report: Reporter | None = None) -> list[KernelSchedule]:
-        """Kernels moved to a second device after scheduling (the NPU's share); none here."""
+              report: Reporter | None = None, unscheduled: dict[str, Any] | None = None) -> list[KernelSchedule]:
+        """Kernels moved to a second device after scheduling (the NPU's share); none here. `unscheduled`: the
+        functions as fused, before the CPU rules replaced any (what a second device's kernels are made from)."""
         return schedules
+
+    def device_module(self, mod: tvm.IRModule) -> tvm.IRModule:
+        """The module the build-time verification runs the device's kernels from: the scheduled one here."""
+        return mod
 
     def finish(self, mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Any] | None]:
         """The decode step's runs of CPU kernels as one parallel region each (kernels/cpu/regions.py).
@@ -94,12 +99,19 @@ class NpuBackend(Backend):
         return {**super().key_facts(), "objdump": find_objdump()}
 
     def place(self, mod: tvm.IRModule, schedules: list[KernelSchedule], vocab_size: int,
-              report: Reporter | None = None) -> list[KernelSchedule]:
-        """The NPU's share, from the HVX code each candidate compiles to; one output line per candidate."""
-        placed = partition(mod, schedules, self.spec.npu, vocab_size)
+              report: Reporter | None = None, unscheduled: dict[str, Any] | None = None) -> list[KernelSchedule]:
+        """The NPU's share, from the HVX code each candidate compiles to; one output line per candidate. The HVX
+        kernels are made from the fused functions (`unscheduled`), not from the aarch64 kernels the CPU rules
+        substituted (kernels/cpu/arm_kn.py), which stay the CPU library's fallback."""
+        self._fused = tvm.IRModule(unscheduled) if unscheduled else mod
+        placed = partition(self._fused, schedules, self.spec.npu, vocab_size)
         for line in placement_lines(placed) if report is not None else ():
             report.info(escape(f"hvx: {line}"))
         return placed
+
+    def device_module(self, mod: tvm.IRModule) -> tvm.IRModule:
+        """The fused functions the NPU kernels were made from (see `place`)."""
+        return getattr(self, "_fused", mod)
 
     def finish(self, mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Any] | None]:
         return mod, None
@@ -107,7 +119,7 @@ class NpuBackend(Backend):
     def extra_libraries(self, mod: tvm.IRModule, schedules: list[KernelSchedule], prefix: str, out_dir: Path,
                         report: Reporter) -> dict[str, str]:
         with report.step(f"compile NPU kernels ({self.spec.npu.get('name', 'npu')})"):
-            path = build_npu_library(mod, schedules, self.spec.npu, prefix, out_dir)
+            path = build_npu_library(self.device_module(mod), schedules, self.spec.npu, prefix, out_dir)
         if path is None:
             report.info("hvx: no kernel compiled to HVX code: no NPU library, the CPU library runs every kernel")
             return {}
