@@ -7,6 +7,7 @@ the system-lib prefix `<model>_<quant>_` (stages.system_lib_prefix) so several m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -18,6 +19,7 @@ from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad(...) builds in TVM 0.
 from tvm.support import tar
 
 from pipeline.errors import CompileError
+from pipeline.kernels.cpu.rope import NO_CSE_ATTR
 from pipeline.progress import Reporter
 
 
@@ -146,8 +148,12 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, *, library: str,
     """Compile and export; returns the library path inside out_dir."""
     if system_lib:
         mod = mod.with_attr("system_lib_prefix", prefix)
+    # kernels/cpu/rope.CSE_BREAKS: TVM 0.27's TIR CSE pass breaks a marked kernel; build without that pass
+    no_cse = any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and NO_CSE_ATTR in f.attrs
+                 for _, f in mod.functions_items())
     try:
-        executable = relax.build(mod, target, relax_pipeline=lowering_pipeline(target), system_lib=system_lib)
+        with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}) if no_cse else contextlib.nullcontext():
+            executable = relax.build(mod, target, relax_pipeline=lowering_pipeline(target), system_lib=system_lib)
     except TypeError as err:
         if system_lib and "Cannot treat type `ir.Call`" in str(err):
             # TVM 0.27's AttachGlobalSymbol cannot rename kernels holding tvm_access_ptr (Metal simdgroup

@@ -34,6 +34,7 @@ from pipeline.compiler.backend import backend_for
 from pipeline.compiler.fuse import fusion_passes
 from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ROOT, load_target
+from pipeline.kernels.cpu import rope as cpu_rope
 from pipeline.kernels.npu.hvx_q4_gemv import RULE as HVX_INT8_RULE
 from pipeline.models import model_class
 from pipeline.models.layers import LayerFactory
@@ -156,6 +157,8 @@ def twin_module(loaded: Any, quant: Any, target: Any):
                                       tvm_target={**target.tvm_target, "host": {"kind": "llvm"}})
     module = model_class(cfg)(cfg, factory, twin_target.tvm())
     mod, _ = module.export_tvm(spec=module.export_spec())
+    if hasattr(module, "rope_settings"):      # as stages.define: the RoPE kernel's settings (kernels/cpu/rope.py)
+        mod = cpu_rope.annotate(mod, module.rope_settings())
     with twin_target.tvm():
         mod = tvm.transform.Sequential(fusion_passes())(mod)
     return mod

@@ -11,6 +11,7 @@ the functions that need it: it is optional (no OpenCL device, no execution check
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 import tvm
 from tvm import ir, relax, tirx
 
+from pipeline.kernels.cpu.rope import NO_CSE_ATTR
 from pipeline.verify.opencl_plan import (
     HostEntry,
     KernelLaunch,
@@ -215,7 +217,9 @@ def _launch(prog, queue, launch: KernelLaunch, env: dict, named: dict) -> None:
 
 def run_on_llvm(func: tirx.PrimFunc, args: list) -> list:
     """Build ``func`` (unscheduled) for the host CPU with LLVM, run it, and copy results into ``args``."""
-    exe = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "llvm"}))
+    no_cse = func.attrs is not None and NO_CSE_ATTR in func.attrs   # kernels/cpu/rope.CSE_BREAKS
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}) if no_cse else contextlib.nullcontext():
+        exe = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target({"kind": "llvm"}))
     dev = tvm.cpu()
     call_args = []
     tensors = []

@@ -28,6 +28,7 @@ from tvm.s_tir import dlight as dl
 
 from pipeline.compiler.schedule import has_thread_binding, is_scheduled
 from pipeline.errors import CompileError
+from pipeline.kernels.cpu.rope import NO_CSE_ATTR
 
 # Adreno OpenCL device code; the host part is this machine so that the host side can be lowered here.
 ADRENO_TARGET: dict = {"kind": "opencl", "device": "adreno", "host": {"kind": "llvm"}}
@@ -218,7 +219,10 @@ def _lower_and_build(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.
     """tvm.tirx.build with the real default pipeline, also returning the post-SplitHostDevice module."""
     snap = _AfterSplitHostDevice()
     cur = tvm.transform.PassContext.current()
-    ctx = tvm.transform.PassContext(opt_level=cur.opt_level, config=dict(cur.config),
+    config = dict(cur.config)
+    if any(f.attrs is not None and NO_CSE_ATTR in f.attrs for _, f in mod.functions_items()):
+        config["tirx.disable_cse_tir"] = True      # as the library is built (kernels/cpu/rope.CSE_BREAKS)
+    ctx = tvm.transform.PassContext(opt_level=cur.opt_level, config=config,
                                     instruments=list(cur.instruments) + [snap])
     with ctx:
         lib = tvm.tirx.build(mod, target=target)

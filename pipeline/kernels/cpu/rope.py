@@ -28,6 +28,11 @@ ROPE_FUNCS = ("fused_rope", "tir_split_rotary")   # the KV cache's RoPE kernel: 
 ROPE_ATTR = "pipeline.rope"
 PARALLEL_TOKENS = 8              # fewer tokens (a decode step) run on the calling thread: no fork-join
 UNSUPPORTED = ("gptj", "longrope")
+# TVM 0.27's TIR common-subexpression pass breaks TVM's own RoPE kernel with these scalings on GPU targets
+# ("variable cse_v2 has been used before definition"): such a kernel is marked, and the library is built with
+# that pass off (compiler/compile.build_library). Measured for Llama-3 scaling on android-adreno (OpenCL).
+CSE_BREAKS = ("llama3",)
+NO_CSE_ATTR = "pipeline.disable_cse_tir"
 
 
 def rope_args(theta: float, scale: float, head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str,
@@ -128,7 +133,8 @@ def kernel_for(func: tirx.PrimFunc):
 @tvm.transform.module_pass(opt_level=0, name="ReplaceCPURoPE")
 def replace_cpu_rope(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """On LLVM targets, swap the KV cache's per-element RoPE kernel for the table one (same attributes);
-    elsewhere (GPU targets) keep TVM's and drop the settings attribute."""
+    elsewhere (GPU targets) keep TVM's and drop the settings attribute (marking it NO_CSE_ATTR where TVM's CSE
+    pass breaks it)."""
     target = tvm.target.Target.current(allow_none=True)
     cpu = target is not None and target.kind.name == "llvm"
     for gv, func in list(mod.functions_items()):
@@ -136,7 +142,10 @@ def replace_cpu_rope(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
             continue
         fast = kernel_for(func) if cpu else None
         if fast is None:
+            rope_type = json.loads(str(func.attrs[ROPE_ATTR]))["rope_scaling"].get("rope_type")
             mod[gv] = func.without_attr(ROPE_ATTR)
+            if not cpu and rope_type in CSE_BREAKS:
+                mod[gv] = mod[gv].with_attr(NO_CSE_ATTR, True)
             continue
         for key, value in func.attrs.items():
             if key != ROPE_ATTR:
