@@ -79,6 +79,7 @@ class TargetSpec:
     force_cpu: tuple[str, ...] = ()   # op classes pinned to the CPU (see pipeline/compiler/force_cpu.py)
     verify_kernels: str | None = None   # "pocl": run the build's kernels on PoCL (see pipeline/verify/execution.py)
     runtime: str = DEFAULT_RUNTIME      # the app runtime contract the bundle is built for (configs/runtimes/)
+    cpu_class: str | None = None        # AArch64 CPU class (configs/cpu_classes.yaml): LLVM mattr when tvm_target has none
     path: Path | None = None
 
     def tvm(self):
@@ -86,6 +87,8 @@ class TargetSpec:
         import tvm  # local: configs are read by every command; only builds need TVM loaded
 
         spec = dict(self.tvm_target)
+        if self.cpu_class and "mattr" not in spec:
+            spec["mattr"] = list(load_cpu_class(self.cpu_class)["mattr"])
         if self.host_native and spec.get("kind") == "llvm" and "mcpu" not in spec:
             cpu = _host_cpu()
             if cpu:
@@ -262,6 +265,8 @@ def load_target(name: str) -> TargetSpec:
                               fix=f"{tile_field}: 24 (the widest tile the kernels take) or 0 (plain KN codes)")
     if spec.runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {spec.runtime!r}", path=path, fix=f"use one of: {', '.join(RUNTIMES)}")
+    if spec.cpu_class is not None:
+        load_cpu_class(spec.cpu_class, path)
     if spec.requires_codegen and not _has_global_func(spec.requires_codegen):
         raise ConfigError(
             f"target {name!r} needs TVM's {spec.requires_codegen} code generator, which this TVM "
@@ -378,6 +383,16 @@ def _package_weights(spec: dict[str, Any] | None, yaml_path: Path) -> Path | Non
 
 
 PHONES_FILE = ROOT / "configs" / "phones.yaml"
+CPU_CLASSES_FILE = ROOT / "configs" / "cpu_classes.yaml"
+
+
+def load_cpu_class(name: str, path: Path | None = None) -> dict[str, Any]:
+    """An AArch64 CPU class of configs/cpu_classes.yaml (description, LLVM mattr); `path`: the file naming it."""
+    classes = _read_yaml(CPU_CLASSES_FILE)
+    if name not in classes:
+        raise ConfigError(f"unknown cpu_class {name!r}", path=path or CPU_CLASSES_FILE,
+                          fix=f"use one of: {', '.join(sorted(classes))} (configs/cpu_classes.yaml)")
+    return {"name": name, **classes[name]}
 
 
 def load_phone(name: str) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from pipeline.config import (
     ModelSpec,
     QuantSpec,
     TargetSpec,
+    load_cpu_class,
     load_model,
     load_phone,
     load_quant,
@@ -394,6 +395,16 @@ def choose_formats(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report:
             {"quant_auto.md": text, "quant_auto.json": json.dumps(saved, indent=1, sort_keys=True, default=str)})
 
 
+def _phone_with_class(target: TargetSpec) -> dict[str, Any] | None:
+    """The target's phone for the memory plan, naming the CPU class the library was built for (if any)."""
+    if not target.phone:
+        return None
+    if not target.cpu_class:
+        return dict(target.phone)
+    cls = load_cpu_class(target.cpu_class)
+    return {**target.phone, "cpu_class": cls["name"], "cpu_class_description": cls["description"]}
+
+
 def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, build_info: dict[str, Any],
                        out: Path, report: Reporter) -> None:
     """Memory / bandwidth plan for the target's phone (weights, KV at several contexts, activations)."""
@@ -402,7 +413,7 @@ def _write_memory_plan(loaded: Loaded, quant: QuantSpec, target: TargetSpec, bui
         plan = memory_plan(loaded.hf_config, quant=scheme, group_modes=group_modes,
                            compute_dtype=build_info["metadata"]["activation_dtype"],
                            kv_dtype=build_info["metadata"]["kv_cache"].get("dtype"),
-                           prefill_chunk=loaded.decoder.prefill_chunk_size, phone=target.phone or None,
+                           prefill_chunk=loaded.decoder.prefill_chunk_size, phone=_phone_with_class(target),
                            max_buffer_bytes=(target.capabilities or {}).get("max_buffer_bytes"))
     except ValueError as err:
         report.info(f"[yellow]note:[/] no memory plan ({err})")
@@ -486,6 +497,8 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
         target_spec = dataclasses.replace(target_spec, runtime=runtime)
     if phone is not None:
         target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
+        if target_spec.cpu_class and target_spec.phone.get("cpu_class"):   # build for that phone's CPU class
+            target_spec = dataclasses.replace(target_spec, cpu_class=load_cpu_class(target_spec.phone["cpu_class"])["name"])
     quant_spec = _with_calibration(load_quant(quant), calibration)
     if kv_cache is not None:   # checked like the YAML entry (QuantSpec.__post_init__)
         quant_spec = dataclasses.replace(quant_spec, kv_cache=kv_cache)

@@ -439,7 +439,9 @@ def plan_markdown(plan: dict) -> str:
             f"Phone: {phone.get('name', '?')}, {phone.get('ram_gb', '?')} GB RAM, app budget "
             f"{phone['app_budget_gb']} GB, {phone['bandwidth_gbs']} GB/s peak. Decode speeds are "
             f"**predictions** ({plan['sustained_bandwidth_share']:.0%} of peak bandwidth / bytes per "
-            "token; roofline = 100%), not measurements.",
+            "token; roofline = 100%), not measurements."
+            + (f" CPU library built for class {phone['cpu_class']}: {phone['cpu_class_description']}."
+               if phone.get("cpu_class") else ""),
             "",
             "| context | KV cache | total RAM | fits | bytes/token | predicted tok/s | roofline tok/s |",
             "|---:|---:|---:|---|---:|---:|---:|",

@@ -424,6 +424,8 @@ def _summary(rows: list[dict[str, Any]], target: Any, context_len: int | None) -
                  ("kernels", "gpu", "cpu", "decode_calls", "decode_bytes", "decode_flops")}
     summary["op_classes"] = dict(sorted(classes.items(), key=lambda kv: OP_CLASSES.index(kv[0])))
     summary["op_classes_total"] = total_row
+    if getattr(target, "cpu_class", None):    # AArch64 libraries: the instruction-set class they were built for
+        summary["cpu_class"] = target.cpu_class
     bw = (target.phone or {}).get("bandwidth_gbs")
     if bw:
         eff = float(bw) * EFFECTIVE_BANDWIDTH
@@ -474,6 +476,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         ph = s["phone"]
         lines += ["", f"Estimated decode step on {ph['name']}: {ph['decode_step_ms']} ms "
                   f"({ph['bandwidth_gbs']} GB/s x {EFFECTIVE_BANDWIDTH}; {ph['note']})."]
+    if "cpu_class" in s:
+        lines += ["", f"CPU class: the CPU library is built for `{s['cpu_class']}` (configs/cpu_classes.yaml)."]
     if "crossings" in s:
         c = s["crossings"]
         acc = c.get("accelerator", "NPU")
