@@ -101,6 +101,19 @@ def tile_width(n: int, widest: int) -> int:
     return next((t for t in range(widest - widest % 8, 0, -8) if n % t == 0 and n // t >= 2), 0)
 
 
+Q4_INTERLEAVE = "q4_interleave"   # the target / metadata field: NK q4 rows interleaved by this many (arm_rows.py)
+INTERLEAVES = (0, 4, 8)
+
+
+def interleave_rows(n: int, rows: int) -> int:
+    """The row interleave of an NK q4 weight with `n` outputs under a target's `q4_interleave`: `rows` when it
+    divides n into two tiles or more (the kernel's parallel loop over tiles), else 0 (plain NK rows). The
+    interleaved arrays are the KN tiles of `tile_width` ([N / rows, K / 8, rows] codes, [N / rows, groups,
+    rows] scales: quantize.tile_kn of the NK words transposed), so the TE dequantize and the tiled gather
+    read both alike."""
+    return rows if rows and n % rows == 0 and n // rows >= 2 else 0
+
+
 def tiled_q8_index(col, row, tile: int) -> tuple:
     """Where KN q8 code [row, col] sits in the tiled layout (quantize.tile_q8): (tile, row pair, byte) — index
     arithmetic that serves TE and TIR expressions alike (the TE dequantize, the tiled gather, the CPU

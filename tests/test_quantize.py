@@ -142,6 +142,44 @@ def test_q4_tiles_round_trip():
         tile_kn(codes[:, :40], 24)
 
 
+def test_q4_row_interleave_round_trip():
+    """android-cpu's interleaved NK q4 rows (target q4_interleave, formats.interleave_rows): tile_kn of the NK
+    words transposed, so element [t, w, j] of the codes is row 8 t + j's word w (one 16-byte load: word w of
+    4 rows) and [t, g, j] of the scales row 8 t + j's group g; dequantize_q4 reads them as the plain rows
+    whatever layout it is told, untile_kn gives the NK arrays back transposed; shapes that do not split into
+    two tiles of 8 stay plain."""
+    from pipeline.formats import interleave_rows
+    from pipeline.quant.quantize import tile_kn, untile_kn
+
+    w = np.random.default_rng(3).normal(0, 0.05, (48, 64)).astype(np.float32)   # N = 48, K = 64
+    codes, scale = quantize_q4(w, "NK")                                        # [48, 8], [48, 2]
+    rows, row_scales = tile_kn(codes.T, 8), tile_kn(scale.T, 8)
+    assert rows.shape == (6, 8, 8) and row_scales.shape == (6, 2, 8)
+    assert rows[2, 5, 3] == codes[19, 5] and row_scales[5, 1, 7] == scale[47, 1]
+    assert np.array_equal(untile_kn(rows).T, codes) and np.array_equal(untile_kn(row_scales).T, scale)
+    for layout in ("NK", "KN"):
+        assert np.array_equal(dequantize_q4(rows, row_scales, layout), dequantize_q4(codes, scale, "NK"))
+    assert [interleave_rows(n, 8) for n in (576, 960, 49152, 16, 8, 20, 36)] == [8, 8, 8, 8, 0, 0, 0]
+    assert interleave_rows(36, 4) == 4 and interleave_rows(576, 0) == 0
+
+
+def test_target_q4_interleave_is_checked(tmp_path, monkeypatch):
+    """android-cpu interleaves 8 rows; q4_interleave is 0, 4 or 8 and only on an NK target, else a one-line
+    config error naming the file."""
+    from pipeline import config
+    from pipeline.errors import ConfigError
+
+    assert config.load_target("android-cpu").q4_interleave == 8 and config.load_target("host-cpu").q4_interleave == 0
+    text = config.TARGETS["android-cpu"].read_text()
+    for bad_text in (text.replace("q4_interleave: 8", "q4_interleave: 16"),
+                     text.replace("weight_layout: NK", "weight_layout: KN")):
+        bad = tmp_path / "cpu-bad-rows.yaml"
+        bad.write_text(bad_text)
+        monkeypatch.setitem(config.TARGETS, "cpu-bad-rows", bad)
+        with pytest.raises(ConfigError, match=r"cpu-bad-rows.yaml: q4_interleave must be 0, 4 or 8 on an NK target"):
+            config.load_target("cpu-bad-rows")
+
+
 def test_tile_width_is_the_widest_that_splits_the_outputs():
     """A weight's tile: the widest multiple of 8 up to the target's q4_tile that divides its outputs into at
     least two tiles (the kernels' parallel loop), else plain KN (0)."""

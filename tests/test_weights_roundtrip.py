@@ -65,3 +65,31 @@ def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout, calibrated):
     embed_packed, _ = quantize_q4(state["model.embed_tokens.weight"], "NK")   # embeddings stay row-major
     np.testing.assert_array_equal(params["model.embed_tokens.q_weight"].numpy(), embed_packed)
     np.testing.assert_array_equal(params["model.norm.weight"].numpy(), state["model.norm.weight"])
+
+
+def test_android_cpu_interleaved_q4_reads_back_as_the_plain_rows(tiny_llama):
+    """android-cpu's tensor cache (q4 rows interleaved by 8, target q4_interleave): TVM's loader returns the
+    interleaved arrays, and the reference reader (quantize.dequantize_q4) turns them into exactly the weights
+    of the plain NK quantization of the checkpoint; the embedding table (untied) stays plain rows."""
+    import dataclasses
+
+    import tvm
+    from tvm.contrib import tvmjs
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.progress import Reporter
+    from pipeline.quant.quantize import dequantize_q4, quantize_q4
+    from pipeline.stages import define, load, quantize
+
+    folder, state = tiny_llama
+    loaded = load(load_model(str(folder)))
+    scheme = dataclasses.replace(load_quant("q4f16_1"), calibration=None)
+    defined = define(loaded, scheme, load_target("android-cpu"))
+    params, _meta = tvmjs.load_tensor_cache(str(quantize(loaded, defined, scheme, Reporter(quiet=True))), tvm.cpu())
+    for name, parts in (("self_attn.qkv_proj", [f"self_attn.{p}_proj" for p in "qkv"]), ("mlp.down_proj", ["mlp.down_proj"])):
+        w = np.concatenate([state[f"model.layers.1.{p}.weight"] for p in parts], axis=0)
+        codes, scale = (params[f"model.layers.1.{name}.{s}"].numpy() for s in ("q_weight", "q_scale"))
+        assert codes.shape == (w.shape[0] // 8, w.shape[1] // 8, 8) and scale.shape == (w.shape[0] // 8, w.shape[1] // 32, 8)
+        np.testing.assert_array_equal(dequantize_q4(codes, scale, "NK"), dequantize_q4(*quantize_q4(w, "NK"), "NK"))
+    embed_packed, _ = quantize_q4(state["model.embed_tokens.weight"], "NK")
+    np.testing.assert_array_equal(params["model.embed_tokens.q_weight"].numpy(), embed_packed)

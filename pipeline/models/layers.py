@@ -21,6 +21,7 @@ from pipeline.formats import (  # noqa: F401 - also read as layers.X by tests
     FORMAT_BITS,
     GROUP,
     ZERO,
+    interleave_rows,
     tile_width,
     tiled_kn_index,
     tiled_q8_index,
@@ -160,17 +161,21 @@ def q_params(rows: int, k: int, code_dtype: str, scale_dtype: str, layout: str,
     many columns when it divides `rows` ([rows / q8_tile, K / 2, 2 q8_tile], quantize.tile_q8; both
     parameters then carry attrs q8_tile, for the converter). `q4_tile`: KN int4 codes and their scales tiled
     by the widest multiple of 8 up to it that divides `rows` (`tile_width`; [rows / t, K / 8, t] and
-    [rows / t, K / GROUP, t], quantize.tile_kn; attrs q4_tile = t); plain KN when none does."""
+    [rows / t, K / GROUP, t], quantize.tile_kn; attrs q4_tile = t); plain KN when none does. NK: `q4_tile`
+    interleaves that many rows (`interleave_rows`: the same 3-d arrays, read alike), else plain rows."""
     per_word = CODES_PER_WORD if code_dtype == "uint32" else 1
     if layout == "NK":
-        return nn.Parameter((rows, k // per_word), code_dtype), nn.Parameter((rows, k // GROUP), scale_dtype)
-    if q8_tile and code_dtype == "int8" and rows % q8_tile == 0:
+        tile = interleave_rows(rows, q4_tile) if code_dtype == "uint32" else 0
+        if not tile:
+            return nn.Parameter((rows, k // per_word), code_dtype), nn.Parameter((rows, k // GROUP), scale_dtype)
+    elif q8_tile and code_dtype == "int8" and rows % q8_tile == 0:
         codes, scale = (nn.Parameter((rows // q8_tile, k // 2, 2 * q8_tile), code_dtype),
                         nn.Parameter((k // GROUP, rows), scale_dtype))
         for p in (codes, scale):
             p.attrs["q8_tile"] = q8_tile
         return codes, scale
-    tile = tile_width(rows, q4_tile) if q4_tile and code_dtype == "uint32" else 0
+    else:
+        tile = tile_width(rows, q4_tile) if q4_tile and code_dtype == "uint32" else 0
     if tile:
         codes, scale = (nn.Parameter((rows // tile, k // per_word, tile), code_dtype),
                         nn.Parameter((rows // tile, k // GROUP, tile), scale_dtype))

@@ -139,9 +139,9 @@ def untile_kn(tiled: np.ndarray) -> np.ndarray:
 
 def dequantize_q4(packed: np.ndarray, scale: np.ndarray, layout: str = "NK") -> np.ndarray:
     """Inverse of `quantize_q4`: -> [N, K] float32 (the reference for numerics tests; KN codes and scales
-    may be tiled: `tile_kn`)."""
+    may be tiled: `tile_kn`; NK ones row-interleaved, the same 3-d arrays, whatever `layout` says)."""
     if packed.ndim == 3:
-        packed, scale = untile_kn(packed), untile_kn(scale)
+        packed, scale, layout = untile_kn(packed), untile_kn(scale), "KN"
     if layout == "KN":
         packed, scale = packed.T, scale.T
     n = packed.shape[0]

@@ -1,0 +1,131 @@
+"""AArch64 `sdot` GEMV / prefill matmul over q4 codes stored row-interleaved (android-cpu's `q4_interleave`).
+
+Why: over plain NK rows (arm.py) each row's 4-lane accumulator holds partial sums of ONE row, so every row and
+group needs its own horizontal reduction, convert and scale, and x is re-loaded per 4 rows (0.52 instructions
+per weight in the hot loop, llama.cpp's Q4_0: ~0.29). Here the codes of `tile` consecutive output rows are
+interleaved word by word (quantize.tile_kn of the NK words: [N / tile, K / 8, tile] uint32, the scales
+[N / tile, groups, tile]; the same arrays as host-cpu's KN tiles), so one 16-byte load holds one code word
+(8 weights) of each of 4 rows, and `sdot` by element (`sdot v.4s, codes.16b, x.4b[lane]`) adds each row's
+4-byte dot into its own int32 lane: a group's 4 rows end in ONE vector, converted and scaled by the 4 rows'
+scales (one load, `fcvtl`) at once; no horizontal add anywhere. A tile of 8 rows (two such vectors per word)
+shares each x load between 8 rows.
+
+Per group of 32 weights and 4 rows (x in two bytes, the default): 4 code loads, 4 `and` (low nibbles: even
+k) + 4 `ushr` (high nibbles: odd k), 16 `sdot` (8 per byte plane), then 256 * hi + lo, `scvtf`, the
+4 scales times x's step, `fmla`. x is quantized per call as in arm.py (`arm.quantize_row`), each group's
+32 values placed so that 4-byte lane 2 w + p of the group holds x[8 w + p], x[8 w + 2 + p], x[8 w + 4 + p],
+x[8 w + 6 + p] (p = 0: the even values a word's low nibbles meet, 1: the odd ones), and the zero point
+folded in as before (-7 sum q per group, the low plane's accumulator starts from it).
+
+A prompt runs every row of x inside the task (a task's tile of weights, tile x K / 2 bytes, stays in L1);
+each task owns one tile of output rows, TVM's parallel loop gives each thread a contiguous range of tiles,
+so 1 and 4 threads compute every output identically.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES, quantize_row_macro
+from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_Q4, PackedFormat, substitute
+from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
+
+WORDS_PER_GROUP = 4         # q4: 32 codes per group, 8 per uint32 word
+
+
+def interleaved_position(j):
+    """Where value j (an int or a TIR expression) of a q4 group of x sits in the quantized group: 4-byte lane
+    2 w + p (w = j // 8 the code word, p = j % 2 the nibble), byte (j % 8) // 2 of it."""
+    return j // 8 * 8 + j % 2 * 4 + j % 8 // 2
+
+
+def check_rows(spec: PackedFormat, n: int, k: int, tile: int) -> bool:
+    """Whether the interleaved kernel takes this shape: q4, whole groups, a tile of 4 or 8 rows, two tiles or
+    more (TVM drops a parallel loop of one iteration)."""
+    return spec.bits == 4 and k % spec.group == 0 and tile in (4, 8) and n % tile == 0 and n // tile >= 2
+
+
+def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "float16",
+                    scale_dtype: str = "float16", prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
+    """out[1, m, n] = x[1, m, k] @ dequantize(codes [n / tile, k / 8, tile], scales [n / tile, groups, tile])
+    for row-interleaved q4 codes; m = 1 (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes."""
+    assert check_rows(spec, n, k, tile), (spec, n, k, tile)
+    assert x_bytes in (1, 2), x_bytes
+    groups = k // spec.group
+    words = k // spec.codes
+    quads = tile // 4            # 4-row vectors per tile
+    i64 = T.int64
+    m = tirx.Var("seq_len", "int64") if prompt else i64(1)
+    quantize_row = quantize_row_macro(spec, k, x_bytes, Q_MAX[x_bytes], interleaved_position, base_lanes=2,
+                                      step_in_base=True, planes_adjacent=True)
+    low = T.Broadcast(T.int8(0xF), 16)
+    four = T.Broadcast(T.uint8(4), 16)
+
+    def lane(xv, index):
+        """4-byte lane `index` of the int8x16 vector xv, repeated into all four lanes (sdot by element)."""
+        return T.reinterpret("int8x16", T.Shuffle([T.reinterpret("int32x4", xv)], [index] * 4))
+
+    def group_sums(w, xq, base, radix, t, r, g, q):
+        """int32x4: lane i = the dot of group g of row 4 q + i of tile t with x row r, offset included."""
+        acc = [T.Broadcast(0, 4)] * (x_bytes - 1) + [T.Broadcast(base[r, g * 2], 4)]
+        for h in range(WORDS_PER_GROUP // 2):        # 16 bytes of x per plane: 2 words' even + odd lanes
+            xv = [xq[r, 0, T.Ramp((g * x_bytes + b) * spec.group + h * 16, 1, 16)] for b in range(x_bytes)]
+            for u in range(2):
+                word = g * WORDS_PER_GROUP + h * 2 + u
+                v = T.reinterpret("int8x16", w[t, word, T.Ramp(q * 4, 1, 4)])
+                lo = T.bitwise_and(v, low)
+                hi = T.reinterpret("int8x16", T.shift_right(T.reinterpret("uint8x16", v), four))
+                for b in range(x_bytes):
+                    acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], lo, lane(xv[b], u * 2))
+                    acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], hi, lane(xv[b], u * 2 + 1))
+        # 256 read from memory written outside the parallel body: LLVM cannot fold it into shl + add, so the
+        # combine is one `mla` (256 * hi + lo, exact in int32: |sum| <= 32 * 15 * 32512 per row)
+        return acc[0] if x_bytes == 1 else acc[0] * T.Broadcast(radix[0], 4) + acc[1]
+
+    @T.prim_func(private=True)
+    def kernel(w: T.Buffer((i64(n // tile), i64(words), i64(tile)), "uint32"),
+               s: T.Buffer((i64(n // tile), i64(groups), i64(tile)), scale_dtype),
+               x: T.Buffer((i64(1), m, i64(k)), act), out: T.Buffer((i64(1), m, i64(n)), act)):
+        T.func_attr({"tirx.noalias": True})
+        xq = T.alloc_buffer((m, 1, x_bytes * k), "int8")   # per group: its high bytes, then its low ones
+        base = T.alloc_buffer((m, groups * 2), "int32")   # per group: -7 sum q, the step's fp32 bits
+        radix = T.alloc_buffer((1,), "int32")
+        radix[0] = 256
+        if prompt:
+            for r in T.parallel(m):
+                quantize_row(x, xq, base, base, r)
+        else:
+            quantize_row(x, xq, base, base, 0)
+        for t in T.parallel(n // tile):
+            acc = T.alloc_buffer((tile,), "float32")
+            for r in range(m):
+                for q in T.unroll(quads):
+                    acc[T.Ramp(q * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
+                for g in range(groups):
+                    for q in T.unroll(quads):
+                        acc[T.Ramp(q * 4, 1, 4)] = acc[T.Ramp(q * 4, 1, 4)] + T.Cast(
+                            "float32x4", group_sums(w, xq, base, radix, t, r, g, q)) * (
+                            T.Cast("float32x4", s[t, g, T.Ramp(q * 4, 1, 4)]) * T.Broadcast(T.reinterpret("float32", base[r, g * 2 + 1]), 4))
+                for q in T.unroll(quads):
+                    out[0, r, T.Ramp(t * tile + q * 4, 1, 4)] = T.Cast(f"{act}x4", acc[T.Ramp(q * 4, 1, 4)])
+
+    return kernel
+
+
+def arm_rows_like(func: tirx.PrimFunc, x_bytes: int = X_BYTES) -> tirx.PrimFunc | None:
+    """The interleaved-rows sdot kernel with `func`'s parameter order when `func` is a fused decode GEMV or prefill
+    matmul of row-interleaved q4 codes (recognize: TILED_Q4) of a shape it takes, else None. The caller checks
+    that the target has dotprod."""
+    for prompt in (False, True):
+        match = match_packed_nk_gemv(func, rows="prompt" if prompt else "one")
+        if match is None or match[0] != TILED_Q4:
+            continue
+        _, n, k, act, scale_dtype, order = match
+        tile = int(func.params[order.index("codes")].shape[2])
+        spec = NK_FORMATS["q4"]
+        if not check_rows(spec, n, k, tile):
+            return None
+        kernel = rows_dot_kernel(spec, n, k, tile, act, scale_dtype, prompt, x_bytes)
+        return substitute(func, kernel, order, "dequant-matmul" if prompt else "dequant-gemv")
+    return None
