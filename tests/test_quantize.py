@@ -161,6 +161,11 @@ def test_q4_row_interleave_round_trip():
         assert np.array_equal(dequantize_q4(rows, row_scales, layout), dequantize_q4(codes, scale, "NK"))
     assert [interleave_rows(n, 8) for n in (576, 960, 49152, 16, 8, 20, 36)] == [8, 8, 8, 8, 0, 0, 0]
     assert interleave_rows(36, 4) == 4 and interleave_rows(576, 0) == 0
+    from pipeline.models.layers import q_params        # the layers' parameters: interleaved or plain rows
+    shapes = {rows: tuple(tuple(p.shape) for p in q_params(rows, 64, "uint32", "float16", "NK", q4_tile=8))
+              for rows in (48, 20)}
+    assert shapes == {48: ((6, 8, 8), (6, 2, 8)), 20: ((20, 8), (20, 2))}
+    assert [tuple(p.shape) for p in q_params(48, 64, "int8", "float16", "NK", q4_tile=8)] == [(48, 64), (48, 2)]
 
 
 def test_target_q4_interleave_is_checked(tmp_path, monkeypatch):
