@@ -102,6 +102,7 @@ def tile_width(n: int, widest: int) -> int:
 
 
 Q4_INTERLEAVE = "q4_interleave"   # the target / metadata field: NK q4 rows interleaved by this many (arm_rows.py)
+Q8_INTERLEAVE = "q8_interleave"   # ... and NK q8 rows (quantize.interleave_q8)
 INTERLEAVES = (0, 4, 8)
 
 
@@ -112,6 +113,12 @@ def interleave_rows(n: int, rows: int) -> int:
     rows] scales: quantize.tile_kn of the NK words transposed), so the TE dequantize and the tiled gather
     read both alike."""
     return rows if rows and n % rows == 0 and n // rows >= 2 else 0
+
+
+def interleaved_q8_index(row, k, rows: int) -> tuple:
+    """Where NK q8 code [row, k] sits with `rows` rows interleaved (quantize.interleave_q8: [N / rows, K / 4,
+    4 rows]); its scale is at tiled_kn_index(row, k // 32, rows) — TE and TIR expressions alike."""
+    return row // rows, k // 4, row % rows * 4 + k % 4
 
 
 def tiled_q8_index(col, row, tile: int) -> tuple:

@@ -28,37 +28,40 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES, quantize_row_macro
-from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_Q4, PackedFormat, substitute
+from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_Q4, TILED_Q8, PackedFormat, substitute
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 
-WORDS_PER_GROUP = 4         # q4: 32 codes per group, 8 per uint32 word
 
-
-def interleaved_position(j):
+def interleaved_position(j, bits: int = 4):
     """Where value j (an int or a TIR expression) of a q4 group of x sits in the quantized group: 4-byte lane
-    2 w + p (w = j // 8 the code word, p = j % 2 the nibble), byte (j % 8) // 2 of it."""
-    return j // 8 * 8 + j % 2 * 4 + j % 8 // 2
+    2 w + p (w = j // 8 the code word, p = j % 2 the nibble), byte (j % 8) // 2 of it. q8: as is (lane w
+    holds the 4 values a row's 4 codes of word w meet)."""
+    return j // 8 * 8 + j % 2 * 4 + j % 8 // 2 if bits == 4 else j
 
 
 def check_rows(spec: PackedFormat, n: int, k: int, tile: int) -> bool:
-    """Whether the interleaved kernel takes this shape: q4, whole groups, a tile of 4 or 8 rows, two tiles or
-    more (TVM drops a parallel loop of one iteration)."""
-    return spec.bits == 4 and k % spec.group == 0 and tile in (4, 8) and n % tile == 0 and n // tile >= 2
+    """Whether the interleaved kernel takes this shape: q4 / q8, whole groups, a tile of 4 or 8 rows, two tiles
+    or more (TVM drops a parallel loop of one iteration)."""
+    return spec.bits in (4, 8) and k % spec.group == 0 and tile in (4, 8) and n % tile == 0 and n // tile >= 2
 
 
 def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "float16",
                     scale_dtype: str = "float16", prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
-    """out[1, m, n] = x[1, m, k] @ dequantize(codes [n / tile, k / 8, tile], scales [n / tile, groups, tile])
-    for row-interleaved q4 codes; m = 1 (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes."""
+    """out[1, m, n] = x[1, m, k] @ dequantize(codes, scales [n / tile, groups, tile]) for row-interleaved codes
+    (q4: uint32 [n / tile, k / 8, tile]; q8: int8 [n / tile, k / 4, 4 tile], quantize.interleave_q8); m = 1
+    (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes."""
     assert check_rows(spec, n, k, tile), (spec, n, k, tile)
     assert x_bytes in (1, 2), x_bytes
-    groups = k // spec.group
-    words = k // spec.codes
-    quads = tile // 4            # 4-row vectors per tile
     i64 = T.int64
+    groups = k // spec.group
+    q8 = spec.bits == 8
+    words = k // 4 if q8 else k // spec.codes       # 4-byte words of a row: q8 4 codes, q4 8
+    group_words = spec.group * spec.bits // 32
+    code_shape = (i64(n // tile), i64(words), i64(4 * tile if q8 else tile))
+    quads = tile // 4            # 4-row vectors per tile
     m = tirx.Var("seq_len", "int64") if prompt else i64(1)
-    quantize_row = quantize_row_macro(spec, k, x_bytes, Q_MAX[x_bytes], interleaved_position, base_lanes=2,
-                                      step_in_base=True, planes_adjacent=True)
+    quantize_row = quantize_row_macro(spec, k, x_bytes, Q_MAX[x_bytes], lambda j: interleaved_position(j, spec.bits),
+                                      base_lanes=2, step_in_base=True, planes_adjacent=True)
     low = T.Broadcast(T.int8(0xF), 16)
     four = T.Broadcast(T.uint8(4), 16)
 
@@ -69,10 +72,16 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
     def group_sums(w, xq, base, radix, t, r, g, q):
         """int32x4: lane i = the dot of group g of row 4 q + i of tile t with x row r, offset included."""
         acc = [T.Broadcast(0, 4)] * (x_bytes - 1) + [T.Broadcast(base[r, g * 2], 4)]
-        for h in range(WORDS_PER_GROUP // 2):        # 16 bytes of x per plane: 2 words' even + odd lanes
+        per_vector = group_words // 2             # 16 bytes of x per plane: q4 2 words (even + odd lanes), q8 4
+        for h in range(2):
             xv = [xq[r, 0, T.Ramp((g * x_bytes + b) * spec.group + h * 16, 1, 16)] for b in range(x_bytes)]
-            for u in range(2):
-                word = g * WORDS_PER_GROUP + h * 2 + u
+            for u in range(per_vector):
+                word = g * group_words + h * per_vector + u
+                if q8:      # python-level: 4 codes of each of rows 4 q .. 4 q + 3
+                    for b in range(x_bytes):
+                        acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], w[t, word, T.Ramp(q * 16, 1, 16)],
+                                                         lane(xv[b], u))
+                    continue
                 v = T.reinterpret("int8x16", w[t, word, T.Ramp(q * 4, 1, 4)])
                 lo = T.bitwise_and(v, low)
                 hi = T.reinterpret("int8x16", T.shift_right(T.reinterpret("uint8x16", v), four))
@@ -80,16 +89,16 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
                     acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], lo, lane(xv[b], u * 2))
                     acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], hi, lane(xv[b], u * 2 + 1))
         # 256 read from memory written outside the parallel body: LLVM cannot fold it into shl + add, so the
-        # combine is one `mla` (256 * hi + lo, exact in int32: |sum| <= 32 * 15 * 32512 per row)
+        # combine is one `mla` (256 * hi + lo, exact in int32: |sum| <= 32 * 127 * 32512 per row)
         return acc[0] if x_bytes == 1 else acc[0] * T.Broadcast(radix[0], 4) + acc[1]
 
     @T.prim_func(private=True)
-    def kernel(w: T.Buffer((i64(n // tile), i64(words), i64(tile)), "uint32"),
+    def kernel(w: T.Buffer(code_shape, spec.code_dtype),
                s: T.Buffer((i64(n // tile), i64(groups), i64(tile)), scale_dtype),
                x: T.Buffer((i64(1), m, i64(k)), act), out: T.Buffer((i64(1), m, i64(n)), act)):
         T.func_attr({"tirx.noalias": True})
         xq = T.alloc_buffer((m, 1, x_bytes * k), "int8")   # per group: its high bytes, then its low ones
-        base = T.alloc_buffer((m, groups * 2), "int32")   # per group: -7 sum q, the step's fp32 bits
+        base = T.alloc_buffer((m, groups * 2), "int32")   # per group: -offset sum q, the step's fp32 bits
         radix = T.alloc_buffer((1,), "int32")
         radix[0] = 256
         if prompt:
@@ -119,11 +128,11 @@ def arm_rows_like(func: tirx.PrimFunc, x_bytes: int = X_BYTES) -> tirx.PrimFunc 
     that the target has dotprod."""
     for prompt in (False, True):
         match = match_packed_nk_gemv(func, rows="prompt" if prompt else "one")
-        if match is None or match[0] != TILED_Q4:
+        if match is None or match[0] not in (TILED_Q4, TILED_Q8):
             continue
-        _, n, k, act, scale_dtype, order = match
-        tile = int(func.params[order.index("codes")].shape[2])
-        spec = NK_FORMATS["q4"]
+        fmt, n, k, act, scale_dtype, order = match
+        tile = int(func.params[order.index("scales")].shape[2])
+        spec = NK_FORMATS["q8" if fmt == TILED_Q8 else "q4"]
         if not check_rows(spec, n, k, tile):
             return None
         kernel = rows_dot_kernel(spec, n, k, tile, act, scale_dtype, prompt, x_bytes)
