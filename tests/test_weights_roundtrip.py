@@ -108,7 +108,14 @@ def test_te_dequantize_reads_interleaved_rows_like_the_reference(fmt):
     from tvm import te
 
     from pipeline.models.layers import dequantize_q8_te, dequantize_te
-    from pipeline.quant.quantize import dequantize_q4, dequantize_q8, interleave_q8, quantize_q4, quantize_q8, tile_kn
+    from pipeline.quant.quantize import (
+        dequantize_q4,
+        dequantize_q8,
+        interleave_q8,
+        quantize_q4,
+        quantize_q8,
+        tile_kn,
+    )
 
     n, k, rows = 48, 64, 8
     w = np.random.default_rng(5).normal(0, 0.05, (n, k)).astype(np.float32)
