@@ -67,49 +67,6 @@ def _check(spec: PackedFormat, n: int, k: int) -> None:
     assert k % (64 if spec.bits == 2 else spec.group) == 0, (spec, k)
 
 
-def quantize_row_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: float, position, base_lanes: int,
-                       step_in_base: bool = False, planes_adjacent: bool = False):
-    """A TIR macro quantize_row(x, xq, d, base, r): row r of x in integer steps of its blocks (the weight group;
-    value j of a block at `position(j)` of it; two bytes: xq[r, 0] the high bytes, xq[r, 1] the low), each
-    block's step d[r, g] and its offset term -offset * sum(q) at base[r, g * base_lanes] (further lanes 0: the
-    plain kernel starts a 4-lane accumulator from them). `step_in_base`: the step's fp32 bits in lane 1 of
-    base instead (d unused), so one load fetches both. `planes_adjacent`: two bytes stored block by block, the
-    high bytes then the low at xq[r, 0, 2 g group ...] (one pair load reaches both at any K)."""
-    group = spec.group
-    groups = -(-k // group)
-
-    @T.macro
-    def quantize_row(x, xq, d, base, r):
-        for g in range(groups):
-            amax = T.alloc_buffer((1,), "float32")
-            total = T.alloc_buffer((1,), "int32")
-            amax[0] = T.float32(0)
-            for j in range(T.min(group, k - g * group)):
-                amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", x[0, r, g * group + j])))
-            if step_in_base:
-                base[r, g * base_lanes + 1] = T.reinterpret("int32", amax[0] * T.float32(1.0 / q_max))
-            else:
-                d[r, g] = amax[0] * T.float32(1.0 / q_max)
-            total[0] = 0
-            for j in range(T.min(group, k - g * group)):
-                q: T.let[T.int32] = T.Cast("int32", T.round(T.Cast("float32", x[0, r, g * group + j]) * T.if_then_else(
-                    amax[0] > T.float32(0), T.float32(q_max) / amax[0], T.float32(0))))
-                if x_bytes == 2 and planes_adjacent:
-                    xq[r, 0, 2 * g * group + position(j)] = T.Cast("int8", T.shift_right(q + 128, 8))
-                    xq[r, 0, (2 * g + 1) * group + position(j)] = T.Cast("int8", q - T.shift_right(q + 128, 8) * 256)
-                elif x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
-                    xq[r, 0, g * group + position(j)] = T.Cast("int8", T.shift_right(q + 128, 8))
-                    xq[r, 1, g * group + position(j)] = T.Cast("int8", q - T.shift_right(q + 128, 8) * 256)
-                else:
-                    xq[r, 0, g * group + position(j)] = T.Cast("int8", q)
-                total[0] = total[0] + q
-            base[r, g * base_lanes] = total[0] * -spec.offset
-            for j in range(2 if step_in_base else 1, base_lanes):
-                base[r, g * base_lanes + j] = 0
-
-    return quantize_row
-
-
 def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scale_dtype: str = "float16",
                   prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
     """out[1, m, n] = x[1, m, k] @ dequantize(codes [n, k / codes], scales [n, groups]) for NK `spec` codes,
@@ -147,7 +104,30 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
         shifted = T.reinterpret("int8x16", T.shift_right(T.reinterpret("uint8x16", v), T.Broadcast(T.uint8(bits * f), 16)))
         return shifted if f == fields - 1 else T.bitwise_and(shifted, T.Broadcast(T.int8(mask), 16))
 
-    quantize_row = quantize_row_macro(spec, k, x_bytes, q_max, lambda j: dot_layout(spec, j), base_lanes=4)
+    @T.macro
+    def quantize_row(x, xq, d, base, r):
+        """Row r of x in integer steps of its blocks (laid out by `dot_layout`; two bytes: xq[r, 0] the high
+        bytes, xq[r, 1] the low), each block's step d and its offset term base = [-offset * sum(q), 0, 0, 0]."""
+        for g in range(groups):
+            amax = T.alloc_buffer((1,), "float32")
+            total = T.alloc_buffer((1,), "int32")
+            amax[0] = T.float32(0)
+            for j in range(T.min(group, k - g * group)):
+                amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", x[0, r, g * group + j])))
+            d[r, g] = amax[0] * T.float32(1.0 / q_max)
+            total[0] = 0
+            for j in range(T.min(group, k - g * group)):
+                q: T.let[T.int32] = T.Cast("int32", T.round(T.Cast("float32", x[0, r, g * group + j]) * T.if_then_else(
+                    amax[0] > T.float32(0), T.float32(q_max) / amax[0], T.float32(0))))
+                if x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
+                    xq[r, 0, g * group + dot_layout(spec, j)] = T.Cast("int8", T.shift_right(q + 128, 8))
+                    xq[r, 1, g * group + dot_layout(spec, j)] = T.Cast("int8", q - T.shift_right(q + 128, 8) * 256)
+                else:
+                    xq[r, 0, g * group + dot_layout(spec, j)] = T.Cast("int8", q)
+                total[0] = total[0] + q
+            base[r, g * 4] = total[0] * -spec.offset
+            for j in range(1, 4):
+                base[r, g * 4 + j] = 0
 
     def row_scales(s, row, g):
         """The scales of group g of rows row .. row + 3, one vector (NK: a column of the scale matrix)."""
@@ -212,7 +192,7 @@ def arm_dot_like(func: tirx.PrimFunc, x_bytes: int = X_BYTES) -> tirx.PrimFunc |
         if match is None:
             continue
         fmt, n, k, act, scale_dtype, order = match
-        if fmt not in DOT_FORMATS:      # q4 rows interleaved: arm_rows.py
+        if fmt not in DOT_FORMATS:      # q4 / q8 rows interleaved: arm_rows.py
             return None
         spec = NK_FORMATS[fmt]
         if n % ROWS or n // ROWS < 2 or k % (64 if spec.bits == 2 else spec.group):
