@@ -35,6 +35,8 @@ from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES
 from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_Q4, TILED_Q8, PackedFormat, substitute
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 
+PROMPT_ROWS = 2            # prefill: prompt rows per pass over a tile's codes (4: registers spill)
+
 
 def interleaved_position(j, bits: int = 4):
     """Where value j (an int or a TIR expression) of a q4 group of x sits in the quantized group: 4-byte lane
@@ -143,6 +145,29 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
         # combine is one `mla` (256 * hi + lo, exact in int32: |sum| <= 32 * 127 * 32512 per row)
         return acc[0] if x_bytes == 1 else acc[0] * T.Broadcast(radix[0], 4) + acc[1]
 
+    def row_step(w, s, xq, base, radix, acc, t, r, i, g, q):
+        """acc (row i of the pair, rows 4 q .. 4 q + 3 of the tile) += group g's sums x scales x x's step."""
+        at = T.Ramp(i * tile + q * 4, 1, 4)
+        step = T.Broadcast(T.reinterpret("float32", base[r, g * 2 + 1]), 4)
+        return acc[at] + T.Cast("float32x4", group_sums(w, xq, base, radix, t, r, g, q)) * (
+            T.Cast("float32x4", s[t, g, T.Ramp(q * 4, 1, 4)]) * step)
+
+    @T.macro
+    def tile_rows(w, s, xq, base, radix, out, acc, t, r, count):
+        """Rows r .. r + count - 1 of x (count 1 or 2, static) against tile t; in one loop over the groups, so
+        LLVM loads and unpacks each code vector once for both rows."""
+        for q in T.unroll(quads * count):
+            acc[T.Ramp(q * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
+        for g in range(groups):
+            for q in T.unroll(quads):
+                acc[T.Ramp(q * 4, 1, 4)] = row_step(w, s, xq, base, radix, acc, t, r, 0, g, q)
+                if count == 2:
+                    acc[T.Ramp(tile + q * 4, 1, 4)] = row_step(w, s, xq, base, radix, acc, t, r + 1, 1, g, q)
+        for q in T.unroll(quads):
+            out[0, r, T.Ramp(t * tile + q * 4, 1, 4)] = T.Cast(f"{act}x4", acc[T.Ramp(q * 4, 1, 4)])
+            if count == 2:
+                out[0, r + 1, T.Ramp(t * tile + q * 4, 1, 4)] = T.Cast(f"{act}x4", acc[T.Ramp(tile + q * 4, 1, 4)])
+
     @T.prim_func(private=True)
     def kernel(w: T.Buffer(code_shape, spec.code_dtype),
                s: T.Buffer((i64(n // tile), i64(groups), i64(tile)), scale_dtype),
@@ -158,17 +183,14 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
         else:
             quantize_row(x, xq, base, 0)
         for t in T.parallel(n // tile):
-            acc = T.alloc_buffer((tile,), "float32")
-            for r in range(m):
-                for q in T.unroll(quads):
-                    acc[T.Ramp(q * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
-                for g in range(groups):
-                    for q in T.unroll(quads):
-                        acc[T.Ramp(q * 4, 1, 4)] = acc[T.Ramp(q * 4, 1, 4)] + T.Cast(
-                            "float32x4", group_sums(w, xq, base, radix, t, r, g, q)) * (
-                            T.Cast("float32x4", s[t, g, T.Ramp(q * 4, 1, 4)]) * T.Broadcast(T.reinterpret("float32", base[r, g * 2 + 1]), 4))
-                for q in T.unroll(quads):
-                    out[0, r, T.Ramp(t * tile + q * 4, 1, 4)] = T.Cast(f"{act}x4", acc[T.Ramp(q * 4, 1, 4)])
+            acc = T.alloc_buffer((PROMPT_ROWS * tile,), "float32")
+            if prompt:     # rows of the prompt in pairs: each code load and unpack serves both
+                for pair in range(m // PROMPT_ROWS):
+                    tile_rows(w, s, xq, base, radix, out, acc, t, pair * PROMPT_ROWS, PROMPT_ROWS)
+                for r in range(m // PROMPT_ROWS * PROMPT_ROWS, m):
+                    tile_rows(w, s, xq, base, radix, out, acc, t, r, 1)
+            else:
+                tile_rows(w, s, xq, base, radix, out, acc, t, 0, 1)
 
     return kernel
 
