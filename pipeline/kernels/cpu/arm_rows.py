@@ -35,7 +35,7 @@ from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES
 from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_Q4, TILED_Q8, PackedFormat, substitute
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 
-PROMPT_ROWS = 2            # prefill: prompt rows per pass over a tile's codes (4: registers spill)
+PROMPT_ROWS = 2            # prefill: prompt rows per pass over a tile's codes (more rows: more NEON registers; not tried)
 
 
 def interleaved_position(j, bits: int = 4):
