@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from pipeline.errors import ConfigError
+from pipeline.formats import INTERLEAVES, Q4_INTERLEAVE, Q8_INTERLEAVE, TILE_FIELDS, WEIGHT_FORMATS  # noqa: F401 - read as config.X
 from pipeline.formats import PACKINGS as TERNARY_FORMATS
-from pipeline.formats import TILE_FIELDS, WEIGHT_FORMATS  # noqa: F401 - TILE_FIELDS: read as config.TILE_FIELDS
 from pipeline.op_classes import parse_classes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +69,8 @@ class TargetSpec:
     q8_tile: int = 0                  # KN q8 codes tiled by this many columns (quantize.tile_q8); 0: plain
     q4_tile: int = 0                  # KN q4 codes + scales tiled by up to this many columns (quantize.tile_kn)
     t2_tile: int = 0                  # KN t2 (ternary) codes + scales the same way
+    q4_interleave: int = 0            # NK q4 codes + scales of this many consecutive rows interleaved (arm_rows.py)
+    q8_interleave: int = 0            # NK q8 codes + scales the same way (quantize.interleave_q8)
     schedule_rules: tuple[str, ...] = ()
     runnable_here: bool = False
     host_native: bool = False
@@ -263,6 +265,12 @@ def load_target(name: str) -> TargetSpec:
         if not isinstance(value, int) or value < 0 or value % 8 or value > 24:
             raise ConfigError(f"{tile_field} must be 0, 8, 16 or 24, not {value!r}", path=path,
                               fix=f"{tile_field}: 24 (the widest tile the kernels take) or 0 (plain KN codes)")
+    for rows_field in (Q4_INTERLEAVE, Q8_INTERLEAVE):
+        value = getattr(spec, rows_field)
+        if value not in INTERLEAVES or (value and spec.weight_layout != "NK"):
+            raise ConfigError(f"{rows_field} must be 0, 4 or 8 on an NK target, not {value!r} "
+                              f"(weight_layout {spec.weight_layout})", path=path,
+                              fix=f"{rows_field}: 8 (the AArch64 sdot kernel's tile) or 0 (plain NK rows)")
     if spec.runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {spec.runtime!r}", path=path, fix=f"use one of: {', '.join(RUNTIMES)}")
     if spec.cpu_class is not None:

@@ -101,6 +101,26 @@ def tile_width(n: int, widest: int) -> int:
     return next((t for t in range(widest - widest % 8, 0, -8) if n % t == 0 and n // t >= 2), 0)
 
 
+Q4_INTERLEAVE = "q4_interleave"   # the target / metadata field: NK q4 rows interleaved by this many (arm_rows.py)
+Q8_INTERLEAVE = "q8_interleave"   # ... and NK q8 rows (quantize.interleave_q8)
+INTERLEAVES = (0, 4, 8)
+
+
+def interleave_rows(n: int, rows: int) -> int:
+    """The row interleave of an NK q4 / q8 weight with `n` outputs under a target's `q4_interleave` /
+    `q8_interleave`: `rows` when it divides n into two tiles or more (the kernel's parallel loop over tiles),
+    else 0 (plain NK rows). q4's interleaved arrays are the KN tiles of `tile_width` ([N / rows, K / 8, rows]
+    codes, [N / rows, groups, rows] scales: quantize.tile_kn of the NK words transposed), so the TE dequantize
+    and the tiled gather read both alike; q8's: quantize.interleave_q8."""
+    return rows if rows and n % rows == 0 and n // rows >= 2 else 0
+
+
+def interleaved_q8_index(row, k, rows: int) -> tuple:
+    """Where NK q8 code [row, k] sits with `rows` rows interleaved (quantize.interleave_q8: [N / rows, K / 4,
+    4 rows]); its scale is at tiled_kn_index(row, k // 32, rows) — TE and TIR expressions alike."""
+    return row // rows, k // 4, row % rows * 4 + k % 4
+
+
 def tiled_q8_index(col, row, tile: int) -> tuple:
     """Where KN q8 code [row, col] sits in the tiled layout (quantize.tile_q8): (tile, row pair, byte) — index
     arithmetic that serves TE and TIR expressions alike (the TE dequantize, the tiled gather, the CPU

@@ -24,10 +24,11 @@ def _whole_tensor_reference(ckpt, params, layout, tied):
         src = _load_source(ckpt, name, tied)
         if name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
-            packed, scale = quantize_q4(src, "NK" if base.endswith("embed_tokens") else layout)
-            tile = int((getattr(p, "attrs", None) or {}).get("q4_tile", 0))   # host-cpu's tiled KN q4
+            nk = base.endswith("embed_tokens") or layout == "NK"
+            packed, scale = quantize_q4(src, "NK" if nk else layout)
+            tile = int((getattr(p, "attrs", None) or {}).get("q4_tile", 0))   # host-cpu's tiled KN q4, android-cpu's NK rows
             if tile:
-                packed, scale = tile_kn(packed, tile), tile_kn(scale, tile)
+                packed, scale = tile_kn(packed.T if nk else packed, tile), tile_kn(scale.T if nk else scale, tile)
             is_weight = name.endswith(".q_weight")
             pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed
             yield name, packed if is_weight else scale
@@ -53,13 +54,14 @@ def tiny_bf16(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("quant", ["q4f16_1", "q4f16_0", "q0f16", "q0f32"])
-def test_chunked_conversion_is_bit_identical(tiny_bf16, quant):
+@pytest.mark.parametrize("quant,target", [("q4f16_1", "host-cpu"), ("q4f16_0", "host-cpu"), ("q0f16", "host-cpu"),
+                                          ("q0f32", "host-cpu"), ("q4f16_1", "android-cpu")])
+def test_chunked_conversion_is_bit_identical(tiny_bf16, quant, target):
     from pipeline.config import load_model, load_quant, load_target
     from pipeline.stages import define, load
 
     loaded = load(load_model(str(tiny_bf16)))
-    defined = define(loaded, load_quant(quant), load_target("host-cpu"))
+    defined = define(loaded, load_quant(quant), load_target(target))
     ckpt, params, tied = loaded.checkpoint, defined.params, loaded.decoder.tie_word_embeddings
     reference = list(_whole_tensor_reference(ckpt, params, defined.layout, tied))
     for block_bytes in (1, 700, None):       # one row at a time, a few rows, the default (one block)

@@ -28,6 +28,7 @@ import tvm
 from tvm import tirx
 
 from pipeline.kernels.cpu.arm import X_BYTES, arm_dot_like
+from pipeline.kernels.cpu.arm_rows import arm_rows_like
 from pipeline.verify.opencl import run_on_llvm
 from pipeline.verify.opencl_plan import param_spec
 from pipeline.verify.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
@@ -115,8 +116,9 @@ def _is_matmul(name: str) -> bool:
 
 
 def _sdot_kernels(mod: tvm.IRModule) -> set[str]:
-    """The functions android-cpu builds with arm.py's sdot kernels (the rule cpu_arm_dot)."""
-    return {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and arm_dot_like(f) is not None}
+    """The functions android-cpu builds with the sdot kernels (the rule cpu_arm_dot: arm.py, arm_rows.py)."""
+    return {gv.name_hint for gv, f in mod.functions_items()
+            if isinstance(f, tirx.PrimFunc) and (arm_rows_like(f) or arm_dot_like(f)) is not None}
 
 
 def _fp32_kernels(mod: tvm.IRModule) -> set[str]:

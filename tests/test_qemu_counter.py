@@ -1,9 +1,10 @@
 """The qemu counting plugin (benchmarks/native/insn_counter.c) on a tiny static aarch64 program with known counts.
 
 The program's `count_loop` is hand-written assembly: for n iterations one 16-byte vector load, one 4-byte scalar
-load, one vector add and the loop's own two instructions, then one 16-byte vector store. So inside its symbol
-range it executes exactly 3 + 5n instructions (2 + 2n naming a vector register: movi, str q and per iteration ldr q, add v), 20n bytes loaded and 16
-stored — per thread, whether run on one or four guest threads.
+load, one vector add, one `sdot` by element and the loop's own two instructions, then one 16-byte vector store.
+So inside its symbol range it executes exactly 3 + 6n instructions (2 + 3n vector: movi, str q and per iteration
+ldr q, add v, sdot — which qemu 7.2's disassembler prints as `.byte`, so the plugin reads its encoding), 20n
+bytes loaded and 16 stored — per thread, whether run on one or four guest threads.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __asm__(
     "  ldr q0, [x0], #16\n"
     "  ldr w3, [x0, #-4]\n"
     "  add v1.4s, v1.4s, v0.4s\n"
+    "  sdot v1.4s, v0.16b, v0.4b[0]\n"
     "  subs x1, x1, #1\n"
     "  b.ne 1b\n"
     "  str q1, [x2]\n"
@@ -61,7 +63,7 @@ def program(tmp_path_factory):
     folder = tmp_path_factory.mktemp("counter")
     (folder / "loop.c").write_text(PROGRAM)
     exe = folder / "loop"
-    subprocess.run(["aarch64-linux-gnu-gcc", "-static", "-O1", "-pthread", str(folder / "loop.c"), "-o", str(exe)],
+    subprocess.run(["aarch64-linux-gnu-gcc", "-static", "-O1", "-march=armv8.2-a+dotprod", "-pthread", str(folder / "loop.c"), "-o", str(exe)],
                    check=True)
     return exe
 
@@ -72,8 +74,8 @@ def test_exact_counts_inside_the_loop_symbol(program, n, threads):
     assert set(ranges) == {"count_loop"}
     counts, _ = qc.run([program, str(n), str(threads)], list(ranges.values()))
     got = counts.range
-    assert got["insns"] == threads * (3 + 5 * n)
-    assert got["vector_insns"] == threads * (2 + 2 * n)
+    assert got["insns"] == threads * (3 + 6 * n)
+    assert got["vector_insns"] == threads * (2 + 3 * n)
     assert got["load_bytes"] == threads * 20 * n
     assert got["store_bytes"] == threads * 16
     assert threads * 2 * n <= got["loads"] <= threads * 3 * n      # qemu 7.2 may split a 16-byte access in two

@@ -142,6 +142,67 @@ def test_q4_tiles_round_trip():
         tile_kn(codes[:, :40], 24)
 
 
+def test_q4_row_interleave_round_trip():
+    """android-cpu's interleaved NK q4 rows (target q4_interleave, formats.interleave_rows): tile_kn of the NK
+    words transposed, so element [t, w, j] of the codes is row 8 t + j's word w (one 16-byte load: word w of
+    4 rows) and [t, g, j] of the scales row 8 t + j's group g; dequantize_q4 reads them as the plain rows
+    whatever layout it is told, untile_kn gives the NK arrays back transposed; shapes that do not split into
+    two tiles of 8 stay plain."""
+    from pipeline.formats import interleave_rows
+    from pipeline.quant.quantize import tile_kn, untile_kn
+
+    w = np.random.default_rng(3).normal(0, 0.05, (48, 64)).astype(np.float32)   # N = 48, K = 64
+    codes, scale = quantize_q4(w, "NK")                                        # [48, 8], [48, 2]
+    rows, row_scales = tile_kn(codes.T, 8), tile_kn(scale.T, 8)
+    assert rows.shape == (6, 8, 8) and row_scales.shape == (6, 2, 8)
+    assert rows[2, 5, 3] == codes[19, 5] and row_scales[5, 1, 7] == scale[47, 1]
+    assert np.array_equal(untile_kn(rows).T, codes) and np.array_equal(untile_kn(row_scales).T, scale)
+    for layout in ("NK", "KN"):
+        assert np.array_equal(dequantize_q4(rows, row_scales, layout), dequantize_q4(codes, scale, "NK"))
+    assert [interleave_rows(n, 8) for n in (576, 960, 49152, 16, 8, 20, 36)] == [8, 8, 8, 8, 0, 0, 0]
+    assert interleave_rows(36, 4) == 4 and interleave_rows(576, 0) == 0
+    from pipeline.models.layers import q_params  # the layers' parameters: interleaved or plain rows
+    shapes = {rows: tuple(tuple(p.shape) for p in q_params(rows, 64, "uint32", "float16", "NK", q4_tile=8))
+              for rows in (48, 20)}
+    assert shapes == {48: ((6, 8, 8), (6, 2, 8)), 20: ((20, 8), (20, 2))}
+    assert [tuple(p.shape) for p in q_params(48, 64, "int8", "float16", "NK", q4_tile=8)] == [(48, 64), (48, 2)]
+    assert [tuple(p.shape) for p in q_params(48, 64, "int8", "float16", "NK", q8_tile=8)] == [(6, 16, 32), (6, 2, 8)]
+
+
+def test_q8_row_interleave_round_trip():
+    """android-cpu's interleaved NK q8 rows (target q8_interleave, quantize.interleave_q8): element [t, w, 4 j + b]
+    of the codes is row 8 t + j's code 4 w + b (one 16-byte load: 4 codes of 4 rows), the scales as q4's;
+    deinterleaving gives the NK codes back and dequantize_q8 reads both forms alike."""
+    from pipeline.quant.quantize import deinterleave_q8, dequantize_q8, interleave_q8, quantize_q8, tile_kn
+
+    w = np.random.default_rng(4).normal(0, 0.05, (48, 64)).astype(np.float32)
+    codes, scale = quantize_q8(w, "NK")                                        # [48, 64], [48, 2]
+    rows, row_scales = interleave_q8(codes, 8), tile_kn(scale.T, 8)
+    assert rows.shape == (6, 16, 32) and rows[2, 5, 4 * 3 + 1] == codes[19, 21]
+    assert np.array_equal(deinterleave_q8(rows), codes)
+    assert np.array_equal(dequantize_q8(rows, row_scales, "NK"), dequantize_q8(codes, scale, "NK"))
+    with pytest.raises(ValueError, match="cannot interleave"):
+        interleave_q8(codes[:44], 8)
+
+
+def test_target_q4_interleave_is_checked(tmp_path, monkeypatch):
+    """android-cpu interleaves 8 rows; q4_interleave is 0, 4 or 8 and only on an NK target, else a one-line
+    config error naming the file."""
+    from pipeline import config
+    from pipeline.errors import ConfigError
+
+    android, host = config.load_target("android-cpu"), config.load_target("host-cpu")
+    assert (android.q4_interleave, android.q8_interleave, host.q4_interleave, host.q8_interleave) == (8, 8, 0, 0)
+    text = config.TARGETS["android-cpu"].read_text()
+    for bad_text in (text.replace("q4_interleave: 8", "q4_interleave: 16"),
+                     text.replace("weight_layout: NK", "weight_layout: KN").replace("q8_interleave: 8", "q8_interleave: 0")):
+        bad = tmp_path / "cpu-bad-rows.yaml"
+        bad.write_text(bad_text)
+        monkeypatch.setitem(config.TARGETS, "cpu-bad-rows", bad)
+        with pytest.raises(ConfigError, match=r"cpu-bad-rows.yaml: q4_interleave must be 0, 4 or 8 on an NK target"):
+            config.load_target("cpu-bad-rows")
+
+
 def test_tile_width_is_the_widest_that_splits_the_outputs():
     """A weight's tile: the widest multiple of 8 up to the target's q4_tile that divides its outputs into at
     least two tiles (the kernels' parallel loop), else plain KN (0)."""

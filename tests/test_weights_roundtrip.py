@@ -65,3 +65,70 @@ def test_tvm_reads_our_q4_tensor_cache(tiny_llama, quant, layout, calibrated):
     embed_packed, _ = quantize_q4(state["model.embed_tokens.weight"], "NK")   # embeddings stay row-major
     np.testing.assert_array_equal(params["model.embed_tokens.q_weight"].numpy(), embed_packed)
     np.testing.assert_array_equal(params["model.norm.weight"].numpy(), state["model.norm.weight"])
+
+
+@pytest.mark.parametrize("quant", ["q4f16_1", "q8f16"])
+def test_android_cpu_interleaved_rows_read_back_as_the_plain_rows(tiny_llama, quant):
+    """android-cpu's tensor cache (q4 / q8 rows interleaved by 8, target q4_interleave / q8_interleave): TVM's
+    loader returns the interleaved arrays, and the reference reader (quantize.dequantize_q4 / _q8) turns them
+    into exactly the weights of the plain NK quantization of the checkpoint; the embedding table (untied)
+    stays plain rows."""
+    import dataclasses
+
+    import tvm
+    from tvm.contrib import tvmjs
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.progress import Reporter
+    from pipeline.quant.quantize import dequantize_q4, dequantize_q8, quantize_q4, quantize_q8
+    from pipeline.stages import define, load, quantize
+
+    q8 = quant == "q8f16"
+    rtn, deq, words = (quantize_q8, dequantize_q8, 4) if q8 else (quantize_q4, dequantize_q4, 8)
+    folder, state = tiny_llama
+    loaded = load(load_model(str(folder)))
+    scheme = dataclasses.replace(load_quant(quant), calibration=None)
+    defined = define(loaded, scheme, load_target("android-cpu"))
+    params, _meta = tvmjs.load_tensor_cache(str(quantize(loaded, defined, scheme, Reporter(quiet=True))), tvm.cpu())
+    for name, parts in (("self_attn.qkv_proj", [f"self_attn.{p}_proj" for p in "qkv"]), ("mlp.down_proj", ["mlp.down_proj"])):
+        w = np.concatenate([state[f"model.layers.1.{p}.weight"] for p in parts], axis=0)
+        codes, scale = (params[f"model.layers.1.{name}.{s}"].numpy() for s in ("q_weight", "q_scale"))
+        assert codes.shape == (w.shape[0] // 8, w.shape[1] // words, 32 if q8 else 8)
+        assert scale.shape == (w.shape[0] // 8, w.shape[1] // 32, 8)
+        np.testing.assert_array_equal(deq(codes, scale, "NK"), deq(*rtn(w, "NK"), "NK"))
+    embed_packed, _ = rtn(state["model.embed_tokens.weight"], "NK")
+    np.testing.assert_array_equal(params["model.embed_tokens.q_weight"].numpy(), embed_packed)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_te_dequantize_reads_interleaved_rows_like_the_reference(fmt):
+    """The layers' TE dequantize (what the fused kernels and the lm_head compute from) reads android-cpu's
+    interleaved q4 / q8 arrays (3-d codes and scales) as the same weights the reference reader gives: W^T."""
+    import tvm
+    from tvm import te
+
+    from pipeline.models.layers import dequantize_q8_te, dequantize_te
+    from pipeline.quant.quantize import (
+        dequantize_q4,
+        dequantize_q8,
+        interleave_q8,
+        quantize_q4,
+        quantize_q8,
+        tile_kn,
+    )
+
+    n, k, rows = 48, 64, 8
+    w = np.random.default_rng(5).normal(0, 0.05, (n, k)).astype(np.float32)
+    if fmt == "q8":
+        codes, scale = quantize_q8(w, "NK")
+        codes, scale, expected = interleave_q8(codes, rows), tile_kn(scale.T, rows), dequantize_q8(codes, scale, "NK")
+    else:
+        codes, scale = quantize_q4(w, "NK")
+        codes, scale, expected = tile_kn(codes.T, rows), tile_kn(scale.T, rows), dequantize_q4(codes, scale, "NK")
+    c = te.placeholder(codes.shape, str(codes.dtype), name="codes")
+    s = te.placeholder(scale.shape, "float16", name="scale")
+    out = (dequantize_q8_te if fmt == "q8" else dequantize_te)(c, s, "NK", k, n, "float32")
+    func = tvm.tirx.build(te.create_prim_func([c, s, out]), target="llvm")
+    got = tvm.runtime.tensor(np.zeros((k, n), np.float32))
+    func(tvm.runtime.tensor(codes), tvm.runtime.tensor(scale), got)
+    np.testing.assert_array_equal(got.numpy(), expected.T)

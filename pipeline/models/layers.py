@@ -21,6 +21,8 @@ from pipeline.formats import (  # noqa: F401 - also read as layers.X by tests
     FORMAT_BITS,
     GROUP,
     ZERO,
+    interleave_rows,
+    interleaved_q8_index,
     tile_width,
     tiled_kn_index,
     tiled_q8_index,
@@ -55,6 +57,10 @@ def dequantize_te(packed: te.Tensor, scale: te.Tensor, layout: str, k: int, n: i
 def dequantize_q8_te(codes: te.Tensor, scale: te.Tensor, layout: str, k: int, n: int, dtype: str):
     """TE for W^T[k, n] from int8 codes + fp16 scales (NK: codes [N, K], KN: codes [K, N] or tiled)."""
     def value(kk, nn_):
+        if len(scale.shape) == 3:      # NK rows interleaved (quantize.interleave_q8): [N / rows, K / 4, 4 rows]
+            rows = int(scale.shape[2])
+            c, s = codes[interleaved_q8_index(nn_, kk, rows)], scale[tiled_kn_index(nn_, kk // GROUP, rows)]
+            return c.astype(dtype) * s.astype(dtype)
         if len(codes.shape) == 3:      # KN tiled (quantize.tile_q8): [N / tile, K / 2, 2 tile]
             c = codes[tiled_q8_index(nn_, kk, int(codes.shape[2]) // 2)]
         else:
@@ -160,17 +166,28 @@ def q_params(rows: int, k: int, code_dtype: str, scale_dtype: str, layout: str,
     many columns when it divides `rows` ([rows / q8_tile, K / 2, 2 q8_tile], quantize.tile_q8; both
     parameters then carry attrs q8_tile, for the converter). `q4_tile`: KN int4 codes and their scales tiled
     by the widest multiple of 8 up to it that divides `rows` (`tile_width`; [rows / t, K / 8, t] and
-    [rows / t, K / GROUP, t], quantize.tile_kn; attrs q4_tile = t); plain KN when none does."""
+    [rows / t, K / GROUP, t], quantize.tile_kn; attrs q4_tile = t); plain KN when none does. NK: `q4_tile`
+    interleaves that many rows (`interleave_rows`: the same 3-d arrays, read alike), else plain rows; `q8_tile`
+    NK int8 rows the same way (quantize.interleave_q8)."""
     per_word = CODES_PER_WORD if code_dtype == "uint32" else 1
     if layout == "NK":
-        return nn.Parameter((rows, k // per_word), code_dtype), nn.Parameter((rows, k // GROUP), scale_dtype)
-    if q8_tile and code_dtype == "int8" and rows % q8_tile == 0:
+        tile = interleave_rows(rows, q4_tile if code_dtype == "uint32" else q8_tile)
+        if not tile:
+            return nn.Parameter((rows, k // per_word), code_dtype), nn.Parameter((rows, k // GROUP), scale_dtype)
+        if code_dtype == "int8":      # quantize.interleave_q8: 4 codes of each row side by side
+            codes, scale = (nn.Parameter((rows // tile, k // 4, 4 * tile), code_dtype),
+                            nn.Parameter((rows // tile, k // GROUP, tile), scale_dtype))
+            for p in (codes, scale):
+                p.attrs["q8_tile"] = tile
+            return codes, scale
+    elif q8_tile and code_dtype == "int8" and rows % q8_tile == 0:
         codes, scale = (nn.Parameter((rows // q8_tile, k // 2, 2 * q8_tile), code_dtype),
                         nn.Parameter((k // GROUP, rows), scale_dtype))
         for p in (codes, scale):
             p.attrs["q8_tile"] = q8_tile
         return codes, scale
-    tile = tile_width(rows, q4_tile) if q4_tile and code_dtype == "uint32" else 0
+    else:
+        tile = tile_width(rows, q4_tile) if q4_tile and code_dtype == "uint32" else 0
     if tile:
         codes, scale = (nn.Parameter((rows // tile, k // per_word, tile), code_dtype),
                         nn.Parameter((rows // tile, k // GROUP, tile), scale_dtype))
@@ -289,6 +306,9 @@ class Q4Embedding(nn.Module):
 
             def value(i, j):
                 t = idx[i]
+                if w.dtype == "int8" and len(s.shape) == 3:     # NK rows interleaved (quantize.interleave_q8)
+                    rows = int(s.shape[2])
+                    return w[interleaved_q8_index(t, j, rows)].astype(dtype) * s[tiled_kn_index(t, j // GROUP, rows)].astype(dtype)
                 if w.dtype == "int8":
                     return w[tiled_q8_index(t, j, int(w.shape[2]) // 2)].astype(dtype) * s[j // GROUP, t].astype(dtype)
                 tile = int(w.shape[2])

@@ -33,6 +33,7 @@ from pipeline.quant.gptq import output_error, quantize_rows
 from pipeline.quant.quantize import (
     dequantize_q4,
     dequantize_q8,
+    interleave_q8,
     pack_q4_levels,
     quantize_q4,
     quantize_q8,
@@ -129,7 +130,8 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
     another layout or target of the same weights reuses it; `stats` then sums the output error
     (`calib_err`) and output energy (`calib_energy`) on the calibration inputs. `q8_tile`: KN int8 codes
     returned tiled (quantize.tile_q8), once the whole tensor is quantized; `q4_tile`: KN int4 codes and scales
-    returned tiled by that many columns (quantize.tile_kn; the layer chose it, layers.tile_width)."""
+    returned tiled by that many columns (quantize.tile_kn; the layer chose it, layers.tile_width), NK ones
+    with that many rows interleaved (the same arrays of the transposed words)."""
     src_shape = _source_shape(ckpt, name, names)
     n = src_shape[0]
     if len(src_shape) != 2 or src_shape[1] % GROUP:
@@ -143,11 +145,14 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
     packed_shape = (n, k // per_word) if nk else (k // per_word, n)
     scale_shape = (n, k // GROUP) if nk else (k // GROUP, n)
     tiled = q8_tile and bits == 8 and not nk
-    tiled4 = q4_tile and bits == 4 and not nk
+    tiled4 = q4_tile and bits == 4     # NK: rows interleaved (formats.interleave_rows), the same arrays
+    rows8 = q8_tile and bits == 8 and nk   # NK q8 rows interleaved (quantize.interleave_q8)
     stored_shape = (n // q8_tile, k // 2, 2 * q8_tile) if tiled else packed_shape
     stored_scale = scale_shape
     if tiled4:
         stored_shape, stored_scale = (n // q4_tile, k // per_word, q4_tile), (n // q4_tile, k // GROUP, q4_tile)
+    if rows8:
+        stored_shape, stored_scale = (n // q8_tile, k // 4, 4 * q8_tile), (n // q8_tile, k // GROUP, q8_tile)
     mine = stored_shape if name.endswith(".q_weight") else stored_scale
     if name in shapes and shapes[name] != mine:
         raise _mismatch(ckpt, name, shapes[name], mine)
@@ -161,7 +166,9 @@ def _convert_q4(ckpt: Any, name: str, names: list[str], layout: str, shapes: dic
             p, s = rtn(block, "NK")
             _store_rows(packed, scale, r0, p, s, nk, name, on_bytes)
     if tiled4:
-        return tile_kn(packed, q4_tile), tile_kn(scale, q4_tile)
+        return tile_kn(packed.T if nk else packed, q4_tile), tile_kn(scale.T if nk else scale, q4_tile)
+    if rows8:
+        return interleave_q8(packed, q8_tile), tile_kn(scale.T, q8_tile)
     return (tile_q8(packed, q8_tile) if tiled else packed), scale
 
 

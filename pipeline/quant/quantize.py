@@ -139,9 +139,9 @@ def untile_kn(tiled: np.ndarray) -> np.ndarray:
 
 def dequantize_q4(packed: np.ndarray, scale: np.ndarray, layout: str = "NK") -> np.ndarray:
     """Inverse of `quantize_q4`: -> [N, K] float32 (the reference for numerics tests; KN codes and scales
-    may be tiled: `tile_kn`)."""
+    may be tiled: `tile_kn`; NK ones row-interleaved, the same 3-d arrays, whatever `layout` says)."""
     if packed.ndim == 3:
-        packed, scale = untile_kn(packed), untile_kn(scale)
+        packed, scale, layout = untile_kn(packed), untile_kn(scale), "KN"
     if layout == "KN":
         packed, scale = packed.T, scale.T
     n = packed.shape[0]
@@ -184,9 +184,32 @@ def untile_q8(tiled: np.ndarray) -> np.ndarray:
         2 * pairs, tiles * tile)
 
 
+def interleave_q8(codes: np.ndarray, rows: int) -> np.ndarray:
+    """NK int8 codes [N, K] -> [N / rows, K / 4, 4 rows]: element [t, w, 4 j + b] is code [rows t + j, 4 w + b].
+    android-cpu's q8 storage (target q8_interleave; scales: tile_kn of their transpose, [N / rows, K / 32,
+    rows]): one 16-byte load holds 4 consecutive codes of each of 4 rows, what `sdot` by element takes
+    (kernels/cpu/arm_rows.py)."""
+    n, k = codes.shape
+    if n % rows or k % 4:
+        raise ValueError(f"cannot interleave q8 codes [{n}, {k}] by {rows} rows")
+    return np.ascontiguousarray(codes.reshape(n // rows, rows, k // 4, 4).transpose(0, 2, 1, 3)).reshape(
+        n // rows, k // 4, 4 * rows)
+
+
+def deinterleave_q8(codes: np.ndarray) -> np.ndarray:
+    """Inverse of `interleave_q8`: -> NK codes [N, K]."""
+    tiles, words, width = codes.shape
+    rows = width // 4
+    return np.ascontiguousarray(codes.reshape(tiles, words, rows, 4).transpose(0, 2, 1, 3)).reshape(
+        tiles * rows, words * 4)
+
+
 def dequantize_q8(codes: np.ndarray, scale: np.ndarray, layout: str = "NK") -> np.ndarray:
-    """Inverse of `quantize_q8`: -> [N, K] float32 (KN codes may be tiled: `tile_q8`)."""
-    if codes.ndim == 3:
+    """Inverse of `quantize_q8`: -> [N, K] float32 (KN codes may be tiled: `tile_q8`; NK codes and scales
+    rows-interleaved, both 3-d: `interleave_q8`, whatever `layout` says)."""
+    if codes.ndim == 3 and scale.ndim == 3:
+        codes, scale, layout = deinterleave_q8(codes), untile_kn(scale).T, "NK"
+    elif codes.ndim == 3:
         codes = untile_q8(codes)
     if layout == "KN":
         codes, scale = codes.T, scale.T

@@ -192,8 +192,10 @@ def arm_dot_like(func: tirx.PrimFunc, x_bytes: int = X_BYTES) -> tirx.PrimFunc |
         if match is None:
             continue
         fmt, n, k, act, scale_dtype, order = match
+        if fmt not in DOT_FORMATS:      # q4 / q8 rows interleaved: arm_rows.py
+            return None
         spec = NK_FORMATS[fmt]
-        if fmt not in DOT_FORMATS or n % ROWS or n // ROWS < 2 or k % (64 if spec.bits == 2 else spec.group):
+        if n % ROWS or n // ROWS < 2 or k % (64 if spec.bits == 2 else spec.group):
             return None
         kernel = nk_dot_kernel(spec, n, k, act, scale_dtype, prompt, x_bytes)
         ternary = fmt in PACKINGS

@@ -1,0 +1,213 @@
+"""AArch64 `sdot` GEMV / prefill matmul over q4 / q8 codes stored row-interleaved (android-cpu's
+`q4_interleave` / `q8_interleave`).
+
+Why: over plain NK rows (arm.py) each row's 4-lane accumulator holds partial sums of ONE row, so every row and
+group needs its own horizontal reduction, convert and scale, and x is re-loaded per 4 rows (0.52 instructions
+per q4 weight in the hot loop, llama.cpp's Q4_0: ~0.29). Here the codes of `tile` consecutive output rows are
+interleaved 4 bytes at a time (q4: quantize.tile_kn of the NK words, [N / tile, K / 8, tile] uint32, the same
+arrays as host-cpu's KN tiles; q8: quantize.interleave_q8, [N / tile, K / 4, 4 tile] int8; scales [N / tile,
+groups, tile]), so one 16-byte load holds 4 bytes of each of 4 rows, and `sdot` by element (`sdot v.4s,
+codes.16b, x.4b[lane]`) adds each row's 4-byte dot into its own int32 lane: a group's 4 rows end in ONE
+vector, converted and scaled by the 4 rows' scales (one load, `fcvtl`) at once; no horizontal add anywhere.
+A tile of 8 rows (two such vectors per word) shares each x load between 8 rows.
+
+Per q4 group of 32 weights and 4 rows (x in two bytes, the default): 4 code loads, 4 `and` (low nibbles: even
+k) + 4 `ushr` (high nibbles: odd k), 16 `sdot` (8 per byte plane), then 256 * hi + lo (one `mla`), `scvtf`,
+the 4 scales times x's step, `fmla` (q8: 8 code loads, 16 `sdot`, no unpacking). x is quantized per call in
+NEON vectors, to the same values as arm.py's scalar loop; each q4 group's 32 values placed so that 4-byte
+lane 2 w + p holds x[8 w + p], x[8 w + 2 + p], x[8 w + 4 + p], x[8 w + 6 + p] (p = 0: the even values a
+word's low nibbles meet, 1: the odd ones; q8: in order), the high bytes of a group next to its low ones, and
+the zero point folded in as in arm.py (-7 sum q per group, the low plane's accumulator starts from it).
+Read from the object: 0.293 instructions per q4 weight (0.215 with int8 x), 0.246 per q8 weight (0.168),
+about 90% vector instructions.
+
+A prompt runs every row of x inside the task (a task's tile of weights, tile x K / 2 bytes, stays in L1);
+each task owns one tile of output rows, TVM's parallel loop gives each thread a contiguous range of tiles,
+so 1 and 4 threads compute every output identically.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES
+from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_Q4, TILED_Q8, PackedFormat, substitute
+from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
+
+PROMPT_ROWS = 2            # prefill: prompt rows per pass over a tile's codes (more rows: more NEON registers; not tried)
+
+
+def interleaved_position(j, bits: int = 4):
+    """Where value j (an int or a TIR expression) of a q4 group of x sits in the quantized group: 4-byte lane
+    2 w + p (w = j // 8 the code word, p = j % 2 the nibble), byte (j % 8) // 2 of it. q8: as is (lane w
+    holds the 4 values a row's 4 codes of word w meet)."""
+    return j // 8 * 8 + j % 2 * 4 + j % 8 // 2 if bits == 4 else j
+
+
+def check_rows(spec: PackedFormat, n: int, k: int, tile: int) -> bool:
+    """Whether the interleaved kernel takes this shape: q4 / q8, whole groups, a tile of 4 or 8 rows, two tiles
+    or more (TVM drops a parallel loop of one iteration)."""
+    return spec.bits in (4, 8) and k % spec.group == 0 and tile in (4, 8) and n % tile == 0 and n // tile >= 2
+
+
+def _lanes_reduce(v, lanes: int, op):
+    """op over the `lanes` lanes of vector v, halving by shuffles (LLVM: pairwise / across-lane NEON)."""
+    while lanes > 1:
+        lanes //= 2
+        v = op(T.Shuffle([v], list(range(lanes))), T.Shuffle([v], list(range(lanes, 2 * lanes))))
+    return v
+
+
+def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: float):
+    """A TIR macro quantize_row(x, xq, base, r) in NEON vectors: row r of x in integer steps of each group of 32
+    (step max|x| / q_max, q = round(x / step) as arm.nk_dot_kernel's scalar loop computes it, value for value), stored
+    at `interleaved_position` (two bytes: the group's high bytes, then its low ones), base[r, 2 g] = -offset
+    sum(q), base[r, 2 g + 1] the step's fp32 bits. The scalar form cost ~37 instructions per value, 3.6 M of
+    a SmolLM2 decode step's 43 M in the GEMVs."""
+    group, groups = spec.group, k // spec.group
+    order = [interleaved_position(j, spec.bits) for j in range(8)]      # within each 8 values (one q4 word)
+    gather = [order.index(p) for p in range(8)]                          # stored byte p <- value gather[p]
+
+    @T.macro
+    def store(xq, r, g, i, q):
+        """Values 8 i .. 8 i + 7 of group g (int32x8 steps q) into their bytes."""
+        if x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
+            hi: T.let[T.int32x8] = T.shift_right(q + T.Broadcast(128, 8), T.Broadcast(8, 8))
+            xq[r, 0, T.Ramp(2 * g * group + 8 * i, 1, 8)] = T.Shuffle([T.Cast("int8x8", hi)], gather)
+            xq[r, 0, T.Ramp((2 * g + 1) * group + 8 * i, 1, 8)] = T.Shuffle(
+                [T.Cast("int8x8", q - hi * T.Broadcast(256, 8))], gather)
+        else:
+            xq[r, 0, T.Ramp(g * group + 8 * i, 1, 8)] = T.Shuffle([T.Cast("int8x8", q)], gather)
+
+    @T.macro
+    def quantize_row(x, xq, base, r):
+        for g in range(groups):
+            v = [T.Cast("float32x8", x[0, r, T.Ramp(g * group + 8 * i, 1, 8)]) for i in range(group // 8)]
+            amax: T.let[T.float32] = _lanes_reduce(T.max(T.max(T.fabs(v[0]), T.fabs(v[1])), T.max(
+                T.fabs(v[2]), T.fabs(v[3]))), 8, T.max)
+            inv: T.let[T.float32] = T.if_then_else(amax > T.float32(0), T.float32(q_max) / amax, T.float32(0))
+            q = [T.Cast("int32x8", T.round(v[i] * T.Broadcast(inv, 8))) for i in range(group // 8)]
+            store(xq, r, g, 0, q[0])
+            store(xq, r, g, 1, q[1])
+            store(xq, r, g, 2, q[2])
+            store(xq, r, g, 3, q[3])
+            total: T.let[T.int32] = _lanes_reduce(q[0] + q[1] + q[2] + q[3], 8, lambda a, b: a + b)
+            base[r, g * 2] = total * -spec.offset
+            base[r, g * 2 + 1] = T.reinterpret("int32", amax * T.float32(1.0 / q_max))
+
+    return quantize_row
+
+
+def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "float16",
+                    scale_dtype: str = "float16", prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
+    """out[1, m, n] = x[1, m, k] @ dequantize(codes, scales [n / tile, groups, tile]) for row-interleaved codes
+    (q4: uint32 [n / tile, k / 8, tile]; q8: int8 [n / tile, k / 4, 4 tile], quantize.interleave_q8); m = 1
+    (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes."""
+    assert check_rows(spec, n, k, tile), (spec, n, k, tile)
+    assert x_bytes in (1, 2), x_bytes
+    i64 = T.int64
+    groups = k // spec.group
+    q8 = spec.bits == 8
+    words = k // 4 if q8 else k // spec.codes       # 4-byte words of a row: q8 4 codes, q4 8
+    group_words = spec.group * spec.bits // 32
+    code_shape = (i64(n // tile), i64(words), i64(4 * tile if q8 else tile))
+    quads = tile // 4            # 4-row vectors per tile
+    m = tirx.Var("seq_len", "int64") if prompt else i64(1)
+    quantize_row = quantize_row_vector_macro(spec, k, x_bytes, Q_MAX[x_bytes])
+    low = T.Broadcast(T.int8(0xF), 16)
+    four = T.Broadcast(T.uint8(4), 16)
+
+    def lane(xv, index):
+        """4-byte lane `index` of the int8x16 vector xv, repeated into all four lanes (sdot by element)."""
+        return T.reinterpret("int8x16", T.Shuffle([T.reinterpret("int32x4", xv)], [index] * 4))
+
+    def group_sums(w, xq, base, radix, t, r, g, q):
+        """int32x4: lane i = the dot of group g of row 4 q + i of tile t with x row r, offset included."""
+        acc = [T.Broadcast(0, 4)] * (x_bytes - 1) + [T.Broadcast(base[r, g * 2], 4)]
+        per_vector = group_words // 2             # 16 bytes of x per plane: q4 2 words (even + odd lanes), q8 4
+        for h in range(2):
+            xv = [xq[r, 0, T.Ramp((g * x_bytes + b) * spec.group + h * 16, 1, 16)] for b in range(x_bytes)]
+            for u in range(per_vector):
+                word = g * group_words + h * per_vector + u
+                if q8:      # python-level: 4 codes of each of rows 4 q .. 4 q + 3
+                    for b in range(x_bytes):
+                        acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], w[t, word, T.Ramp(q * 16, 1, 16)],
+                                                         lane(xv[b], u))
+                    continue
+                v = T.reinterpret("int8x16", w[t, word, T.Ramp(q * 4, 1, 4)])
+                lo = T.bitwise_and(v, low)
+                hi = T.reinterpret("int8x16", T.shift_right(T.reinterpret("uint8x16", v), four))
+                for b in range(x_bytes):
+                    acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], lo, lane(xv[b], u * 2))
+                    acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], hi, lane(xv[b], u * 2 + 1))
+        # 256 read from memory written outside the parallel body: LLVM cannot fold it into shl + add, so the
+        # combine is one `mla` (256 * hi + lo, exact in int32: |sum| <= 32 * 127 * 32512 per row)
+        return acc[0] if x_bytes == 1 else acc[0] * T.Broadcast(radix[0], 4) + acc[1]
+
+    def row_step(w, s, xq, base, radix, acc, t, r, i, g, q):
+        """acc (row i of the pair, rows 4 q .. 4 q + 3 of the tile) += group g's sums x scales x x's step."""
+        at = T.Ramp(i * tile + q * 4, 1, 4)
+        step = T.Broadcast(T.reinterpret("float32", base[r, g * 2 + 1]), 4)
+        return acc[at] + T.Cast("float32x4", group_sums(w, xq, base, radix, t, r, g, q)) * (
+            T.Cast("float32x4", s[t, g, T.Ramp(q * 4, 1, 4)]) * step)
+
+    @T.macro
+    def tile_rows(w, s, xq, base, radix, out, acc, t, r, count):
+        """Rows r .. r + count - 1 of x (count 1 or 2, static) against tile t; in one loop over the groups, so
+        LLVM loads and unpacks each code vector once for both rows."""
+        for q in T.unroll(quads * count):
+            acc[T.Ramp(q * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
+        for g in range(groups):
+            for q in T.unroll(quads):
+                acc[T.Ramp(q * 4, 1, 4)] = row_step(w, s, xq, base, radix, acc, t, r, 0, g, q)
+                if count == 2:
+                    acc[T.Ramp(tile + q * 4, 1, 4)] = row_step(w, s, xq, base, radix, acc, t, r + 1, 1, g, q)
+        for q in T.unroll(quads):
+            out[0, r, T.Ramp(t * tile + q * 4, 1, 4)] = T.Cast(f"{act}x4", acc[T.Ramp(q * 4, 1, 4)])
+            if count == 2:
+                out[0, r + 1, T.Ramp(t * tile + q * 4, 1, 4)] = T.Cast(f"{act}x4", acc[T.Ramp(tile + q * 4, 1, 4)])
+
+    @T.prim_func(private=True)
+    def kernel(w: T.Buffer(code_shape, spec.code_dtype),
+               s: T.Buffer((i64(n // tile), i64(groups), i64(tile)), scale_dtype),
+               x: T.Buffer((i64(1), m, i64(k)), act), out: T.Buffer((i64(1), m, i64(n)), act)):
+        T.func_attr({"tirx.noalias": True})
+        xq = T.alloc_buffer((m, 1, x_bytes * k), "int8")   # per group: its high bytes, then its low ones
+        base = T.alloc_buffer((m, groups * 2), "int32")   # per group: -offset sum q, the step's fp32 bits
+        radix = T.alloc_buffer((1,), "int32")
+        radix[0] = 256
+        if prompt:
+            for r in T.parallel(m):
+                quantize_row(x, xq, base, r)
+        else:
+            quantize_row(x, xq, base, 0)
+        for t in T.parallel(n // tile):
+            acc = T.alloc_buffer((PROMPT_ROWS * tile,), "float32")
+            if prompt:     # rows of the prompt in pairs: each code load and unpack serves both
+                for pair in range(m // PROMPT_ROWS):
+                    tile_rows(w, s, xq, base, radix, out, acc, t, pair * PROMPT_ROWS, PROMPT_ROWS)
+                for r in range(m // PROMPT_ROWS * PROMPT_ROWS, m):
+                    tile_rows(w, s, xq, base, radix, out, acc, t, r, 1)
+            else:
+                tile_rows(w, s, xq, base, radix, out, acc, t, 0, 1)
+
+    return kernel
+
+
+def arm_rows_like(func: tirx.PrimFunc, x_bytes: int = X_BYTES) -> tirx.PrimFunc | None:
+    """The interleaved-rows sdot kernel with `func`'s parameter order when `func` is a fused decode GEMV or prefill
+    matmul of row-interleaved q4 codes (recognize: TILED_Q4) of a shape it takes, else None. The caller checks
+    that the target has dotprod."""
+    for prompt in (False, True):
+        match = match_packed_nk_gemv(func, rows="prompt" if prompt else "one")
+        if match is None or match[0] not in (TILED_Q4, TILED_Q8):
+            continue
+        fmt, n, k, act, scale_dtype, order = match
+        tile = int(func.params[order.index("scales")].shape[2])
+        spec = NK_FORMATS["q8" if fmt == TILED_Q8 else "q4"]
+        if not check_rows(spec, n, k, tile):
+            return None
+        kernel = rows_dot_kernel(spec, n, k, tile, act, scale_dtype, prompt, x_bytes)
+        return substitute(func, kernel, order, "dequant-matmul" if prompt else "dequant-gemv")
+    return None
