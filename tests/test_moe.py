@@ -1,0 +1,159 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen3.5-MoE): compiled host-cpu libraries vs transformers.
+
+Tiny configs made here, random init widened so routing is decisive; transformers fp32 is the reference.
+q0f32: prefill 48 tokens + 24 greedy decode steps, max |Δlogit| ≤ 1e-3 × max |reference logit|, tokens
+identical. The gather kernels alone are checked against a float64 NumPy MoE (routing indices exact) for
+float, q4 and q8 expert weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_qwen3_5 import assert_close, ours, reference
+
+from pipeline.models.moe_kernels import moe_down, moe_gate_up, moe_reference, moe_route
+from pipeline.quant.quantize import dequantize_q4, dequantize_q8, quantize_q4, quantize_q8
+from pipeline.runtime.runner import Bundle
+
+VOCAB = 256
+PROMPT_LEN = 48
+DECODE_STEPS = 24
+
+
+def widen(model, norm_std: float = 0.0):
+    """Scale 2-d and stacked expert weights by 3 (the tiny init gives near-flat logits and router
+    probabilities); `norm_std`: give zero-centred norms non-trivial weights."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+            elif norm_std and name.endswith("norm.weight") and "linear_attn" not in name:
+                p.normal_(0.0, norm_std)
+    return model
+
+
+def tiny_qwen3_moe(seed: int = 0, **extra):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    sizes = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(**{**sizes, **extra})
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():   # transformers leaves the stacked experts uninitialised (torch.empty)
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, 0.02)
+    return widen(model)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    model = tiny_qwen3_moe()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+def test_qwen3_moe_q0f32_matches_transformers(qwen3_moe, build_bundle):
+    folder, model = qwen3_moe
+    engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()
+    ids = np.random.default_rng(1).integers(0, VOCAB, PROMPT_LEN)
+    got_prefill, got_decode, got_tokens = ours(engine, ids, DECODE_STEPS)
+    ref_prefill, ref_decode, ref_tokens = reference(model, ids, DECODE_STEPS)
+    assert_close(got_prefill, ref_prefill, "prefill logits")
+    assert_close(got_decode, ref_decode, "decode logits")
+    assert got_tokens == ref_tokens
+
+
+def _run(func, inputs, outputs):
+    import tvm
+
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for a in inputs]
+    outs = [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in outputs]
+    lib["main"](*args, *outs)
+    return [o.numpy() for o in outs]
+
+
+@pytest.mark.parametrize("fmt", ["float", "q4", "q8"])
+def test_gather_kernels_match_numpy(fmt):
+    """Router (softmax, top-2, renormalised or not) and the two gather GEMVs vs a float64 NumPy MoE whose
+    experts are the kernels' dequantized weights: indices exact, outputs within fp32 rounding."""
+    E, inter, hidden, k, n = 8, 32, 64, 2, 5
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    router = rng.standard_normal((E, hidden)).astype(np.float32)
+    gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
+    down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
+    if fmt == "float":
+        gu_args, down_args = [gate_up], [down]
+    else:
+        quant, dequant = (quantize_q4, dequantize_q4) if fmt == "q4" else (quantize_q8, dequantize_q8)
+        cg, sg = quant(gate_up.reshape(-1, hidden))
+        cd, sd = quant(down.reshape(-1, inter))
+        gate_up = dequant(cg, sg).reshape(gate_up.shape)
+        down = dequant(cd, sd).reshape(down.shape)
+        gu_args = [cg.reshape(E, 2 * inter, -1), sg.reshape(E, 2 * inter, -1)]
+        down_args = [cd.reshape(E, hidden, -1), sd.reshape(E, hidden, -1)]
+    for norm in (True, False):
+        want, want_idx = moe_reference(x, router, gate_up, down, k, norm)
+        idx, weight = _run(moe_route(E, k, norm), [x @ router.T], [((n, k), "int32"), ((n, k), "float32")])
+        np.testing.assert_array_equal(idx, want_idx)
+        act, = _run(moe_gate_up(E, inter, hidden, k, "float32", fmt), [x, idx, *gu_args], [((n, k, inter), "float32")])
+        y, = _run(moe_down(E, hidden, inter, k, "float32", fmt), [act, idx, weight, *down_args],
+                  [((n, hidden), "float32")])
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (fmt, norm)
+
+
+def test_sparse_layers_follow_transformers():
+    """mlp_only_layers and decoder_sparse_step pick the same MoE layers as transformers' Qwen3-MoE."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from pipeline.models.llama import DecoderConfig
+
+    for extra in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 3]}, {"decoder_sparse_step": 3,
+                                                                            "mlp_only_layers": [5]}):
+        model = tiny_qwen3_moe(num_hidden_layers=6, **extra)
+        cfg = DecoderConfig.from_hf(model.config.to_dict())
+        want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in model.model.layers]
+        assert [cfg.sparse(i) for i in range(6)] == want and any(want) and not all(want), extra
+
+
+@pytest.mark.parametrize("quant", ["q0f32", "q4f16_1"])
+def test_stacked_checkpoint_converts_like_per_expert(qwen3_moe, tmp_path, quant):
+    """transformers 5 keeps experts stacked in memory ([E, 2I, H], [E, H, I]) and saves them per expert; a
+    checkpoint in either spelling gives the same bundle tensors, and q4 experts are each expert's rows
+    quantized like any linear weight."""
+    from safetensors.torch import save_file
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.quant.convert import iter_converted
+    from pipeline.stages import define, load
+
+    folder, model = qwen3_moe
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    state = {n: t.contiguous() for n, t in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    converted = []
+    for source in (folder, tmp_path):
+        loaded = load(load_model(str(source)))
+        defined = define(loaded, load_quant(quant), load_target("host-cpu"))
+        converted.append(dict(iter_converted(loaded.checkpoint, defined.params, defined.layout, block_bytes=700)))
+    per_expert, stacked = converted
+    assert per_expert.keys() == stacked.keys()
+    for name in per_expert:
+        np.testing.assert_array_equal(per_expert[name], stacked[name], err_msg=name)
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"].numpy()
+    if quant == "q0f32":
+        np.testing.assert_array_equal(per_expert["model.layers.1.mlp.experts.gate_up_proj.weight"], gate_up)
+    else:
+        codes, scales = quantize_q4(gate_up[5], "NK")
+        np.testing.assert_array_equal(per_expert["model.layers.1.mlp.experts.gate_up_proj.q_weight"][5], codes)
+        np.testing.assert_array_equal(per_expert["model.layers.1.mlp.experts.gate_up_proj.q_scale"][5], scales)
