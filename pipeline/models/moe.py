@@ -79,10 +79,10 @@ class SparseMoE(nn.Module):
     """Router + top-k routed experts (+ a gated shared expert when `shared_inter` > 0)."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, inter: int, norm_topk: bool, make: LayerFactory,
-                 target: Any, shared_inter: int = 0):
+                 gpu: bool, max_threads: int, shared_inter: int = 0):
         self.hidden, self.num_experts, self.top_k, self.inter = hidden, experts, top_k, inter
         self.norm_topk, self.dtype = norm_topk, make.dtype
-        self.gpu, self.threads = gpu_info(target)
+        self.gpu, self.threads = gpu, max_threads
         self.gate = FloatLinear(hidden, experts, False, make.weight_dtype)
         self.experts = ExpertsPair(experts, hidden, inter, make)
         if shared_inter:
