@@ -8,6 +8,8 @@ float, q4 and q8 expert weights.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -81,13 +83,21 @@ def qwen3_moe(tmp_path_factory):
 
 def test_qwen3_moe_q0f32_matches_transformers(qwen3_moe, build_bundle):
     folder, model = qwen3_moe
-    engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()
+    bundle = build_bundle(folder, "host-cpu", "q0f32")
+    engine = Bundle(bundle).engine()
     ids = np.random.default_rng(1).integers(0, VOCAB, PROMPT_LEN)
     got_prefill, got_decode, got_tokens = ours(engine, ids, DECODE_STEPS)
     ref_prefill, ref_decode, ref_tokens = reference(model, ids, DECODE_STEPS)
     assert_close(got_prefill, ref_prefill, "prefill logits")
     assert_close(got_decode, ref_decode, "decode logits")
     assert got_tokens == ref_tokens
+    # the coverage report counts what a decode step reads: the 2 chosen experts' rows of 8, per layer
+    kernels = {k["name"]: k for k in json.loads((bundle / "reports" / "coverage.json").read_text())["kernels"]}
+    gate_up, down = kernels["moe_gate_up"], kernels["moe_down"]
+    assert gate_up["op_class"] == down["op_class"] == "moe-gemv"
+    expert_bytes = 4 * 3 * 32 * 64   # fp32 gate, up and down of one expert (I = 32, H = 64)
+    step = gate_up["decode_step"]["bytes_per_call"] + down["decode_step"]["bytes_per_call"]
+    assert 2 * expert_bytes <= step < 3 * expert_bytes and gate_up["decode_step"]["calls"] == 2
 
 
 @pytest.mark.slow
@@ -191,3 +201,19 @@ def test_stacked_checkpoint_converts_like_per_expert(qwen3_moe, tmp_path, quant=
     np.testing.assert_array_equal(per_expert["model.layers.1.mlp.experts.gate_up_proj.q_scale"][5], scales)
     router = state["model.layers.1.mlp.gate.weight"].numpy().astype(np.float16)   # float, the scheme's dtype
     np.testing.assert_array_equal(per_expert["model.layers.1.mlp.gate.weight"], router)
+
+
+def test_real_35b_config_reads_and_auto_refuses():
+    """Qwen3.5-35B-A3B's shipped config: an all-MoE hybrid with no dense intermediate_size; QUANT=auto refuses it
+    in one line (the memory plan does not count active experts yet)."""
+    from pipeline.config import load_model
+    from pipeline.errors import ConfigError
+    from pipeline.models import config_from_hf
+    from pipeline.quant.auto_plan import plan_auto
+
+    hf = load_model("qwen3.5-35b-a3b").hf_config
+    cfg = config_from_hf(hf)
+    assert (cfg.family, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size, len(cfg.full_layers)) == ("qwen3_5_moe", 256, 8, 512, 512, 10)
+    with pytest.raises(ConfigError, match="does not plan mixture-of-experts"):
+        plan_auto(hf, phone={"app_budget_gb": 20, "bandwidth_gbs": 60}, context=4096)

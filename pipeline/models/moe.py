@@ -75,6 +75,19 @@ class SharedExpert(nn.Module):
         return self.down_proj(op.silu(gate) * up)
 
 
+class SharedExpertGate(nn.Module):
+    """The shared expert's gate logit x . w ([1, H] weight, as the checkpoint's one-output linear), computed as
+    a row reduction: as a matmul with N = 1, dlight's GEMV rule emits a dynamically sized local buffer for
+    prefill that OpenCL code generation refuses ("constant size stack allocation")."""
+
+    def __init__(self, hidden: int, dtype: str):
+        self.weight = nn.Parameter((1, hidden), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.astype(x.dtype)
+        return op.sum(x * w, axis=-1, keepdims=True)
+
+
 class SparseMoE(nn.Module):
     """Router + top-k routed experts (+ a gated shared expert when `shared_inter` > 0)."""
 
@@ -87,7 +100,7 @@ class SparseMoE(nn.Module):
         self.experts = ExpertsPair(experts, hidden, inter, make)
         if shared_inter:
             self.shared_expert = SharedExpert(hidden, shared_inter, make)
-            self.shared_expert_gate = FloatLinear(hidden, 1, False, make.weight_dtype)
+            self.shared_expert_gate = SharedExpertGate(hidden, make.weight_dtype)
         else:
             self.shared_expert = None
 
