@@ -51,6 +51,7 @@ class StackedExperts(nn.Module):
             self.q_weight = nn.Parameter(codes, "uint32" if self.fmt == "q4" else "int8")
             self.q_scale = nn.Parameter(scales, make.scale_dtype)
             params = [self.q_weight, self.q_scale]
+        self.scale_dtype = make.scale_dtype
         for p in params:
             p.attrs["experts"] = experts
 
@@ -116,10 +117,11 @@ class SparseMoE(nn.Module):
         idx, weight = op.tensor_ir_op(moe_route(E, k, self.norm_topk, **kw), "moe_route", [logits],
                                       [Tensor.placeholder((n, k), "int32"), Tensor.placeholder((n, k), "float32")])
         gu, down = self.experts.gate_up_proj, self.experts.down_proj
-        act = op.tensor_ir_op(moe_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, **kw), "moe_gate_up",
-                              [flat, idx, *gu.tensors], Tensor.placeholder((n, k, inter), dtype))
-        y = op.tensor_ir_op(moe_down(E, h, inter, k, dtype, down.fmt, down.dtype, **kw), "moe_down",
-                            [act, idx, weight, *down.tensors], Tensor.placeholder((n, h), dtype))
+        gate_up_kernel = moe_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype, **kw)
+        down_kernel = moe_down(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype, **kw)
+        act = op.tensor_ir_op(gate_up_kernel, "moe_gate_up", [flat, idx, *gu.tensors],
+                              Tensor.placeholder((n, k, inter), dtype))
+        y = op.tensor_ir_op(down_kernel, "moe_down", [act, idx, weight, *down.tensors], Tensor.placeholder((n, h), dtype))
         if self.shared_expert is not None:
             y = y + op.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return op.reshape(y, (b, s, h))

@@ -131,7 +131,8 @@ def moe_route(experts: int, top_k: int, norm_topk: bool, *, gpu: bool = False, m
 
 
 def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, fmt: str = "float",
-                weight_dtype: str = "float32", *, gpu: bool = False, max_threads: int = 128,
+                weight_dtype: str = "float32", *, scale_dtype: str = "float16", gpu: bool = False,
+                max_threads: int = 128,
                 name: str = "moe_gate_up") -> tirx.PrimFunc:
     """h[t, j, r] = silu(x[t] . W[idx[t, j], r]) * (x[t] . W[idx[t, j], inter + r]) for the k selected experts."""
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
@@ -168,7 +169,7 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
             body(x, idx, codes, None, out, seq_len)
     else:
         @T.prim_func
-        def kernel(x_h: T.handle, idx_h: T.handle, codes: T.Buffer(wshape, cdtype), scales: T.Buffer(sshape, "float16"),
+        def kernel(x_h: T.handle, idx_h: T.handle, codes: T.Buffer(wshape, cdtype), scales: T.Buffer(sshape, scale_dtype),
                    out_h: T.handle):
             seq_len = T.int64()
             x = T.match_buffer(x_h, (seq_len, H), dtype)
@@ -180,7 +181,8 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
 
 
 def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt: str = "float",
-             weight_dtype: str = "float32", *, gpu: bool = False, max_threads: int = 128,
+             weight_dtype: str = "float32", *, scale_dtype: str = "float16", gpu: bool = False,
+             max_threads: int = 128,
              name: str = "moe_down") -> tirx.PrimFunc:
     """y[t, r] = sum_j weight[t, j] * (h[t, j] . W[idx[t, j], r]): the down projections and the routing sum."""
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
@@ -219,7 +221,7 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
     else:
         @T.prim_func
         def kernel(h_h: T.handle, idx_h: T.handle, w_h: T.handle, codes: T.Buffer(wshape, cdtype),
-                   scales: T.Buffer(sshape, "float16"), out_h: T.handle):
+                   scales: T.Buffer(sshape, scale_dtype), out_h: T.handle):
             seq_len = T.int64()
             h = T.match_buffer(h_h, (seq_len, K, M), dtype)
             idx = T.match_buffer(idx_h, (seq_len, K), "int32")
