@@ -243,3 +243,44 @@ def test_real_35b_config_reads_and_auto_refuses():
             cfg.shared_expert_intermediate_size, len(cfg.full_layers)) == ("qwen3_5_moe", 256, 8, 512, 512, 10)
     with pytest.raises(ConfigError, match="does not plan mixture-of-experts"):
         plan_auto(hf, phone={"app_budget_gb": 20, "bandwidth_gbs": 60}, context=4096)
+
+
+@pytest.mark.parametrize("fmt", ["float", "q4"])
+def test_gpu_kernels_on_pocl(fmt):
+    """The thread-bound (GPU) variants, compiled to OpenCL C for Adreno and run on PoCL (fp32: PoCL has no
+    fp16), give the CPU variants' routing and outputs: what an Adreno build ships (not run at build time)."""
+    from pipeline.verify.opencl import find_opencl_device, run_on_pocl
+    from pipeline.verify.opencl_plan import opencl_kernels
+
+    if find_opencl_device() is None:
+        pytest.skip("no OpenCL platform found (install pocl-opencl-icd: `make system-deps`)")
+    E, inter, hidden, k, n = 8, 32, 64, 2, 5
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    logits = rng.standard_normal((n, E)).astype(np.float32)
+    gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
+    down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
+    if fmt == "float":
+        gu_args, down_args = [gate_up], [down]
+    else:
+        cg, sg = quantize_q4(gate_up.reshape(-1, hidden))
+        cd, sd = quantize_q4(down.reshape(-1, inter))
+        gu_args = [cg.reshape(E, 2 * inter, -1), sg.astype(np.float32).reshape(E, 2 * inter, -1)]
+        down_args = [cd.reshape(E, hidden, -1), sd.astype(np.float32).reshape(E, hidden, -1)]
+    kw = dict(scale_dtype="float32")
+
+    def both(make, inputs, outputs):
+        gpu_args = [*inputs, *[np.zeros(s, d) for s, d in outputs]]
+        run_on_pocl(opencl_kernels(make(gpu=True, max_threads=32)), "main", gpu_args)
+        return gpu_args[len(inputs):], _run(make(gpu=False), inputs, outputs)
+
+    (idx, weight), cpu = both(lambda **g: moe_route(E, k, True, **g), [logits], [((n, k), "int32"), ((n, k), "float32")])
+    np.testing.assert_array_equal(idx, cpu[0])
+    np.testing.assert_allclose(weight, cpu[1], rtol=1e-6)
+    (act,), (act_cpu,) = both(lambda **g: moe_gate_up(E, inter, hidden, k, "float32", fmt, **kw, **g),
+                              [x, idx, *gu_args], [((n, k, inter), "float32")])
+    np.testing.assert_allclose(act, act_cpu, rtol=1e-5, atol=1e-5)
+    (y,), (y_cpu,) = both(lambda **g: moe_down(E, hidden, inter, k, "float32", fmt, **kw, **g),
+                          [act, idx, weight, *down_args], [((n, hidden), "float32")])
+    np.testing.assert_allclose(y, y_cpu, rtol=1e-5, atol=1e-5)
+    assert np.abs(y_cpu).max() > 0.1
