@@ -204,6 +204,7 @@ def test_stacked_checkpoint_converts_like_per_expert(qwen3_moe, tmp_path, quant=
     from safetensors.torch import save_file
 
     from pipeline.config import load_model, load_quant, load_target
+    from pipeline.frontend.checkpoint import open_checkpoint
     from pipeline.quant.convert import iter_converted
     from pipeline.stages import define, load
 
@@ -212,12 +213,10 @@ def test_stacked_checkpoint_converts_like_per_expert(qwen3_moe, tmp_path, quant=
     state = {n: t.contiguous() for n, t in model.state_dict().items()}
     assert "model.layers.0.mlp.experts.gate_up_proj" in state
     save_file(state, str(tmp_path / "model.safetensors"))
-    converted = []
-    for source in (folder, tmp_path):
-        loaded = load(load_model(str(source)))
-        defined = define(loaded, load_quant(quant), load_target("host-cpu"))
-        converted.append(dict(iter_converted(loaded.checkpoint, defined.params, defined.layout, block_bytes=700)))
-    per_expert, stacked = converted
+    loaded = load(load_model(str(folder)))
+    defined = define(loaded, load_quant(quant), load_target("host-cpu"))   # the same config: the same parameters
+    per_expert, stacked = (dict(iter_converted(ckpt, defined.params, defined.layout, block_bytes=700))
+                           for ckpt in (loaded.checkpoint, open_checkpoint(tmp_path)))
     assert per_expert.keys() == stacked.keys()
     for name in per_expert:
         np.testing.assert_array_equal(per_expert[name], stacked[name], err_msg=name)
