@@ -283,3 +283,30 @@ def test_gpu_kernels_on_pocl(fmt):
                           [act, idx, weight, *down_args], [((n, hidden), "float32")])
     np.testing.assert_allclose(y, y_cpu, rtol=1e-5, atol=1e-5)
     assert np.abs(y_cpu).max() > 0.1
+
+
+def test_batch_functions_route_each_token(qwen3_moe, build_bundle):
+    """MLC's batch_prefill / batch_decode (two sequences in one call) match each sequence alone: every token of
+    a batch picks its own experts."""
+    import tvm
+    from test_engine_functions import _embed, _forward, _kv
+
+    folder, _ = qwen3_moe
+    engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()
+    prompts = ([5, 17, 200, 3, 99, 41], [250, 7, 7, 128, 64, 31, 2, 180, 11])
+    alone_prefill, alone_next = [], []
+    for ids in prompts:
+        engine.reset()
+        alone_prefill.append(engine.prefill(ids))
+        alone_next.append(engine.decode(int(np.argmax(alone_prefill[-1]))))
+    kv = _kv(engine, 2)
+    emb = _embed(engine, [*prompts[0], *prompts[1]])
+    emb = emb._create_view((1, emb.shape[0], emb.shape[1]))
+    ends = tvm.runtime.tensor(np.asarray([len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1], "int32"))
+    logits, kv = _forward(engine, kv, "batch_prefill", [0, 1], [len(p) for p in prompts], emb, ends)
+    for got, want in zip(logits[0], alone_prefill, strict=True):
+        assert_close(got, want, "batch_prefill logits")
+    emb = _embed(engine, [int(np.argmax(x)) for x in alone_prefill])
+    logits, kv = _forward(engine, kv, "batch_decode", [0, 1], [1, 1], emb._create_view((2, 1, emb.shape[1])))
+    for got, want in zip(logits[:, 0], alone_next, strict=True):
+        assert_close(got, want, "batch_decode logits")
