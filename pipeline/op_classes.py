@@ -15,6 +15,7 @@ from tvm import tirx
 from pipeline.errors import ConfigError
 
 OP_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "dequant-matmul-ternary", "gemv", "matmul",
+              "moe-gemv",
               "rotation", "rmsnorm", "layernorm", "attention", "rope", "kv-cache", "gdn-recurrence", "gdn-conv",
               "rnn-state", "gather", "elementwise", "injective", "reduction", "other")
 
@@ -168,3 +169,24 @@ def parse_classes(value: Any, source: str, path: Any = None) -> tuple[str, ...]:
         raise ConfigError(f"unknown op class(es) {', '.join(unknown)} in {source}", path=path,
                           fix=f"use some of: {', '.join(OP_CLASSES)}")
     return classes
+
+
+def moe_cost(func: tirx.PrimFunc, env: dict[str, int]) -> tuple[int | None, int | None]:
+    """(bytes, FLOPs) of one call of a routed-experts gather GEMV (models/moe_kernels.py): each of the n x k
+    (token, chosen expert) pairs reads that expert's slab of the stacked weights [E, rows, K'] (and scales),
+    never the other experts'; the activations and indices are read whole."""
+    bufs = buffer_params(func)
+    weights = [b for b in bufs if b.shape and isinstance(b.shape[0], tirx.IntImm)]
+    acts = [b for b in bufs if not any(b.same_as(w) for w in weights)]
+    idx = next((b for b in acts if str(b.dtype) == "int32" and len(b.shape) == 2), None)
+    if idx is None or not weights:
+        return None, None
+    tokens, k = eval_shape(idx.shape[0], env), eval_shape(idx.shape[1], env)
+    act_bytes = [nbytes(b, env) for b in acts]
+    if tokens is None or k is None or None in act_bytes:
+        return None, None
+    slab = [nbytes(w, {}) // int(w.shape[0].value) for w in weights]
+    codes = weights[0]
+    per_elem = {"uint32": 8}.get(str(codes.dtype), 1)   # q4: 8 weights per word
+    macs = tokens * k * (elems(codes, {}) // int(codes.shape[0].value)) * per_elem
+    return tokens * k * sum(slab) + sum(act_bytes), 2 * macs

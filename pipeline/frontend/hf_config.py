@@ -20,12 +20,16 @@ from typing import Any
 
 from pipeline.errors import ConfigError
 
-__all__ = ["HYBRID_ARCHITECTURES", "HYBRID_MODEL_TYPES", "LAYER_KINDS", "LinearAttention", "TextConfig",
+__all__ = ["HYBRID_ARCHITECTURES", "HYBRID_MODEL_TYPES", "LAYER_KINDS", "LinearAttention", "Experts", "TextConfig",
            "text_config"]
 
-# The Qwen3.5 hybrid (Gated DeltaNet + gated attention): the multimodal wrapper and the text-only model.
-HYBRID_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
-HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+# The Qwen3.5 hybrid (Gated DeltaNet + gated attention): the multimodal wrapper and the text-only model, dense
+# or with mixture-of-experts MLPs (the "35B-A3B").
+HYBRID_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# model types whose router always renormalises its top-k probabilities (the config has no norm_topk_prob)
+ALWAYS_NORM_TOPK = ("qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_KINDS = ("linear_attention", "full_attention")
 DEFAULT_FULL_ATTENTION_INTERVAL = 4   # the hybrid's layer_types when the config lists none
 DEFAULT_CONV_KERNEL = 4               # transformers' default linear_conv_kernel_dim
@@ -47,6 +51,22 @@ class LinearAttention:
     def conv_dim(self) -> int:
         """Channels of the causal depthwise conv: q and k (key heads x key dim) and v."""
         return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP's sizes and routing (Qwen3-MoE, Qwen3.5-MoE)."""
+
+    num_experts: int
+    top_k: int                           # experts routed per token (num_experts_per_tok)
+    intermediate_size: int               # each routed expert's FFN width (moe_intermediate_size)
+    norm_topk_prob: bool                 # renormalise the k selected probabilities to sum to 1
+    shared_intermediate_size: int = 0    # the always-on shared expert (0: none) and its sigmoid gate
+    decoder_sparse_step: int = 1         # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()   # ... and i is not listed here (those keep a dense MLP)
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,7 @@ class TextConfig:
     max_position_embeddings: int | None
     num_experts: int                     # 0 for dense MLPs
     mlp_only_layers: tuple[int, ...]
+    experts: Experts | None              # MoE routing and sizes (None for dense MLPs)
     nested: bool                         # the fields came from a multimodal wrapper's text_config
     text: dict[str, Any] = field(repr=False)   # the text model's own fields (for transformers' configs)
 
@@ -162,7 +183,10 @@ def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> Tex
         raise ConfigError(f"hidden_size {hidden}{where} is not a multiple of num_attention_heads {heads} (and no "
                           "head_dim is given)", path=source, fix=FIX)
     head_dim = number("head_dim", default=hidden // heads)
-    intermediate, vocab = number("intermediate_size"), number("vocab_size")
+    experts = _experts(text, number, source, where, n_layers)
+    # an all-MoE config (Qwen3.5-35B-A3B) has no dense MLP width: the routed experts' stands in
+    intermediate = number("intermediate_size", default=experts.intermediate_size if experts else None)
+    vocab = number("vocab_size")
     for key, value in (("hidden_size", hidden), ("num_hidden_layers", n_layers), ("num_key_value_heads", kv_heads),
                        ("head_dim", head_dim), ("intermediate_size", intermediate), ("vocab_size", vocab)):
         if value <= 0:
@@ -224,8 +248,32 @@ def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> Tex
         rope_scaling=scaling,
         partial_rotary_factor=partial,
         max_position_embeddings=None if not max_pos else int(max_pos),
-        num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
-        mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+        num_experts=experts.num_experts if experts else 0,
+        mlp_only_layers=experts.mlp_only_layers if experts else tuple(text.get("mlp_only_layers") or ()),
+        experts=experts,
         nested=nested,
         text=text,
     )
+
+
+def _experts(text: Mapping[str, Any], number: Any, source: object, where: str, n_layers: int) -> Experts | None:
+    """The MoE fields (None when the config has no experts); ConfigError for a top-k / size out of range."""
+    count = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+    if count <= 0:
+        return None
+    top_k = number("num_experts_per_tok")
+    if not 0 < top_k <= count:
+        raise ConfigError(f"num_experts_per_tok{where} must be in [1, num_experts = {count}], got {top_k}",
+                          path=source, fix=FIX)
+    width = number("moe_intermediate_size")
+    shared = number("shared_expert_intermediate_size", default=0)
+    step = number("decoder_sparse_step", default=1)
+    if width <= 0 or shared < 0 or step <= 0:
+        raise ConfigError(f"moe_intermediate_size / shared_expert_intermediate_size / decoder_sparse_step{where} "
+                          f"must be positive, got {width} / {shared} / {step}", path=source, fix=FIX)
+    dense = tuple(int(i) for i in text.get("mlp_only_layers") or ())
+    if any(not 0 <= i < n_layers for i in dense):
+        raise ConfigError(f"mlp_only_layers{where} names layers outside 0..{n_layers - 1}: {list(dense)}",
+                          path=source, fix=FIX)
+    norm = text.get("model_type") in ALWAYS_NORM_TOPK or bool(text.get("norm_topk_prob", False))
+    return Experts(count, top_k, width, norm, shared, step, dense)

@@ -22,12 +22,14 @@ from pipeline.kernels.cpu.argmax import argmax_kernel
 from pipeline.kernels.cpu.rope import rope_args
 from pipeline.models.engine_table import EngineFunctions
 from pipeline.models.layers import LayerFactory
+from pipeline.models.moe import SparseMoE, gpu_info
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -56,6 +58,13 @@ class DecoderConfig:
     context_window_size: int = 4096
     prefill_chunk_size: int = 512
     max_batch_size: int = 16   # sequences one batch_decode may carry (MLC's engine reads it from _metadata)
+    # mixture-of-experts MLPs (qwen3_moe; hf_config.Experts): 0 experts = dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json",
@@ -63,8 +72,8 @@ class DecoderConfig:
         t = text_config(hf, source=source)
         family = next((ARCHITECTURES[a] for a in t.architectures if a in ARCHITECTURES), None)
         if family is None:
-            family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                t.model_type or "")
+            family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen3_moe": "qwen3_moe"}.get(t.model_type or "")
         if family is None:
             raise ConfigError(
                 f"architecture {list(t.architectures) or t.model_type} is not supported by the dense decoder",
@@ -85,10 +94,22 @@ class DecoderConfig:
             rope_scaling=dict(t.rope_scaling),
             tie_word_embeddings=t.tie_word_embeddings,
             attention_bias=t.attention_bias if t.attention_bias is not None else family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             context_window_size=context_window_size or min(t.max_position_embeddings or 4096, 4096),
             prefill_chunk_size=prefill_chunk_size or 512,
         )
+        if (t.experts is not None) != (family == "qwen3_moe"):
+            raise ConfigError(f"{family} {'needs' if family == 'qwen3_moe' else 'cannot have'} num_experts",
+                              path=source, fix="give the model's complete HF config.json")
+        if t.experts is not None:
+            e = t.experts
+            if e.shared_intermediate_size:
+                raise ConfigError("a shared expert is not part of Qwen3-MoE (shared_expert_intermediate_size)",
+                                  path=source, fix="give the model's complete HF config.json")
+            cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size = \
+                e.num_experts, e.top_k, e.intermediate_size
+            cfg.norm_topk_prob, cfg.decoder_sparse_step = e.norm_topk_prob, e.decoder_sparse_step
+            cfg.mlp_only_layers = list(e.mlp_only_layers)
         kind = t.rope_scaling.get("rope_type")
         if kind is not None:   # TVM's RoPE frequencies support these (yarn needs MLC's precomputed scale; others none)
             need = ROPE_SCALINGS.get(kind)
@@ -103,6 +124,11 @@ class DecoderConfig:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the mixture of experts (transformers' Qwen3MoeDecoderLayer rule)."""
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and \
+            (layer + 1) % self.decoder_sparse_step == 0
 
 
 class Attention(nn.Module):
@@ -151,12 +177,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, make: LayerFactory, layer_id: int):
+    def __init__(self, cfg: DecoderConfig, make: LayerFactory, layer_id: int, target: Any = None):
         eps = cfg.rms_norm_eps
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=make.dtype)
         self.self_attn = Attention(cfg, make, layer_id)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=make.dtype)
-        self.mlp = MLP(cfg, make)
+        if cfg.sparse(layer_id):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                 cfg.norm_topk_prob, make, *gpu_info(target))
+        else:
+            self.mlp = MLP(cfg, make)
 
     def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv)
@@ -164,9 +194,9 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: DecoderConfig, make: LayerFactory):
+    def __init__(self, cfg: DecoderConfig, make: LayerFactory, target: Any = None):
         self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, make, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, make, i, target) for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=make.dtype)
 
     def forward(self, x: Tensor, kv: PagedKVCache) -> Tensor:
@@ -217,7 +247,7 @@ class DecoderLM(EngineFunctions, nn.Module):
         self.dtype = make.dtype
         self.kv_dtype = make.kv_cache_dtype
         self.target = target
-        self.model = Backbone(cfg, make)
+        self.model = Backbone(cfg, make, target)
         if not cfg.tie_word_embeddings:
             self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False, role="lm_head")
 

@@ -12,6 +12,10 @@ One definition for the text path of `Qwen3_5ForConditionalGeneration` (`qwen3_5`
   partial RoPE (first `partial_rotary_factor` of head dims, applied by the paged KV cache), GQA,
   output times sigmoid(gate), o_proj.
 
+The MoE variant (`Qwen3_5MoeForConditionalGeneration`, `qwen3_5_moe_text`: the 35B-A3B) replaces every
+layer's MLP by routed experts (top-k of E, renormalised) plus a shared expert gated by sigmoid(x w), see
+`models.moe`; the token mixers are the same.
+
 RMSNorms outside GDN are zero-centred (scale ``1 + w``); that is computed in the graph so the stored weights
 are the checkpoint's. The conv and delta-rule states live in the runtime RNN state (`recurrent_state`)
 beside the paged KV cache, which only the full-attention layers use (`kv_state_kind: hybrid`).
@@ -42,6 +46,7 @@ from pipeline.models.llama import (
     greedy_token,
     kv_cache_spec,
 )
+from pipeline.models.moe import SparseMoE, gpu_info
 from pipeline.models.recurrent_state import RecurrentState
 
 
@@ -72,6 +77,11 @@ class HybridConfig:
     prefill_chunk_size: int = 512
     max_batch_size: int = 1
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    # mixture-of-experts MLPs in every layer (qwen3_5_moe): routed experts + a sigmoid-gated shared expert
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json",
@@ -114,9 +124,15 @@ class HybridConfig:
                 cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             raise ConfigError("attention heads must be a multiple of KV heads (and GDN value heads of key heads)",
                               path=source, fix="fix the head counts in config.json")
-        if t.is_moe:
-            raise ConfigError("MoE Qwen3.5 variants are not supported yet", path=source,
-                              fix="use the dense Qwen3.5 (27B) config")
+        e = t.experts
+        if t.is_moe and (e is None or e.mlp_only_layers or e.decoder_sparse_step != 1 or not e.norm_topk_prob):
+            raise ConfigError("a Qwen3.5 MoE config routes every layer (no mlp_only_layers / decoder_sparse_step) "
+                              "and renormalises its top-k", path=source, fix="give the model's complete HF config.json")
+        if e is not None:
+            cfg.family = "qwen3_5_moe"
+            cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size = \
+                e.num_experts, e.top_k, e.intermediate_size
+            cfg.shared_expert_intermediate_size = e.shared_intermediate_size
         return cfg
 
     @property
@@ -396,7 +412,11 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, make, cfg.full_layers.index(layer_id))
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps, make.dtype)
-        self.mlp = MLP(cfg, make)
+        if cfg.num_experts:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                 True, make, gpu, max_threads, shared_inter=cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = MLP(cfg, make)
 
     def forward(self, x: Tensor, kv: PagedKVCache, state: RecurrentState, ends: Tensor | None = None):
         h = self.input_layernorm(x)
@@ -421,14 +441,6 @@ class HybridBackbone(nn.Module):
         return self.norm(x), state
 
 
-def _gpu_info(target: Any) -> tuple[bool, int]:
-    kind = target.kind.name if target is not None else "llvm"
-    if kind in ("llvm", "c"):
-        return False, 1
-    threads = target.attrs.get("max_num_threads", 256) if hasattr(target, "attrs") else 256
-    return True, int(min(int(threads), 128))
-
-
 class HybridLM(DecoderLM):
     """Entry points: embed, prefill, decode, prefill_all_logits, create_tir_paged_kv_cache, create_rnn_state.
 
@@ -439,7 +451,7 @@ class HybridLM(DecoderLM):
     def __init__(self, cfg: HybridConfig, make: LayerFactory, target: Any):
         self.cfg, self.dtype, self.target = cfg, make.dtype, target
         self.kv_dtype = make.kv_cache_dtype
-        gpu, threads = _gpu_info(target)
+        gpu, threads = gpu_info(target)
         self.model = HybridBackbone(cfg, make, gpu, threads)
         if not cfg.tie_word_embeddings:
             self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False, role="lm_head")

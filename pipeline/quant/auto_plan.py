@@ -186,6 +186,10 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     if not phone or not phone.get("app_budget_gb"):
         raise ConfigError("QUANT=auto needs the phone's app memory budget", path=None,
                           fix="give the target a phone: {ram_gb, app_budget_gb, bandwidth_gbs} or pass --phone")
+    if text_config(hf_config).is_moe:   # the plan would count all E experts as read per token
+        raise ConfigError(f"QUANT=auto does not plan mixture-of-experts models yet ({model_name}: the memory plan "
+                          "has no active-expert accounting)", path=None,
+                          fix="choose a scheme: --quant q4f16 (experts q4, see docs/moe.md)")
     budget = float(phone["app_budget_gb"]) * 1e9
     weights = role_weights(hf_config)
     roles = sorted(weights)

@@ -43,6 +43,7 @@ from pipeline.config import CalibrationSpec
 from pipeline.errors import ConfigError, WeightsError
 from pipeline.frontend.hf_config import text_config
 from pipeline.quant.convert import FUSED, checkpoint_name
+from pipeline.quant.experts import stacked_from_experts
 from pipeline.quant.gptq import prepare
 from pipeline.quant.quantize import dequantize_q4, quantize_q4
 
@@ -308,10 +309,10 @@ class Calibration:
         module.to_empty(device="cpu")
         for name, p in module.named_parameters():
             src = checkpoint_name(self.ckpt, f"{prefix}.{name}")
-            if src not in self.ckpt:
+            arr = stacked_from_experts(self.ckpt, src) if src not in self.ckpt else self.ckpt.get(src)
+            if arr is None:
                 raise WeightsError(f"tensor {src!r} (needed for calibration) is not in the checkpoint",
                                    path=self.ckpt.path, fix="check that the weights belong to this model config")
-            arr = self.ckpt.get(src)
             if int(np.prod(arr.shape)) != p.numel():
                 raise WeightsError(f"shape mismatch for {src}: the config implies {list(p.shape)}, the weights "
                                    f"give {list(arr.shape)}", path=self.ckpt.path,

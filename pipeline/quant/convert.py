@@ -29,6 +29,7 @@ import numpy as np
 from pipeline.errors import WeightsError
 from pipeline.formats import CODES_PER_WORD, GROUP
 from pipeline.quant import ternary as tern
+from pipeline.quant.experts import expert_sources, with_stacked_experts
 from pipeline.quant.gptq import output_error, quantize_rows
 from pipeline.quant.quantize import (
     dequantize_q4,
@@ -354,6 +355,8 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
     whose layer input it measured are quantized with error feedback (gptq.py).
     """
     block_bytes = int(block_bytes or DEFAULT_BLOCK_BYTES)
+    if any((getattr(p, "attrs", None) or {}).get("experts") for _, p in params):
+        ckpt = with_stacked_experts(ckpt)
     shapes = {name: tuple(int(x) for x in p.shape) for name, p in params}
     dtypes = {name: str(p.dtype) for name, p in params}
     pending: dict[str, np.ndarray] = {}
@@ -371,6 +374,8 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
             arr = pending.pop(name)
             if on_bytes:
                 on_bytes(arr.nbytes)
+        elif (getattr(p, "attrs", None) or {}).get("experts"):
+            arr = _convert_experts(ckpt, name, p, shapes, dtypes, pending, block_bytes, on_bytes)
         elif name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
             attrs = dict(getattr(p, "attrs", None) or {})
@@ -402,6 +407,33 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
             on_tensor(name, arr.nbytes)
         yield name, arr
         arr = packed = scale = None   # hold no finished output while converting the next tensor
+
+
+def _convert_experts(ckpt: Any, name: str, p: Any, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str],
+                     pending: dict[str, np.ndarray], block_bytes: int,
+                     on_bytes: Callable[[int], None] | None) -> np.ndarray:
+    """A stacked expert parameter [E, rows, ...] (models/moe.py): its per-expert sources (quant/experts.py)
+    converted as one fused 2-d weight [E * rows, K] (float, or q4 / q8 NK rows), then reshaped; a q_weight's
+    scales wait in `pending` for their own parameter, like any quantized weight's."""
+    experts = int(p.attrs["experts"])
+    sources = [checkpoint_name(ckpt, n) for n in expert_sources(name, experts)]
+    missing = [n for n in sources if n not in ckpt]
+    if missing:
+        raise WeightsError(f"tensor {missing[0]!r} (needed for {name}) is not in the checkpoint", path=ckpt.path,
+                           fix="check that the weights belong to this model config")
+    shape = shapes[name]
+    flat = {name: (experts * shape[1], *shape[2:])}
+    if not name.endswith(QUANT_SUFFIXES):
+        return _convert_float(ckpt, name, sources, p.dtype, flat[name], block_bytes, on_bytes).reshape(shape)
+    base = name.rsplit(".", 1)[0]
+    bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
+    packed, scale = _convert_q4(ckpt, name, sources, "NK", flat, block_bytes, on_bytes, bits=bits)
+    codes_shape = shapes.get(base + ".q_weight", (experts, -1, packed.shape[1]))
+    scale_shape = shapes.get(base + ".q_scale", (experts, -1, scale.shape[1]))
+    packed, scale = packed.reshape(codes_shape), scale.reshape(scale_shape)
+    is_weight = name.endswith(".q_weight")
+    pending[base + (".q_scale" if is_weight else ".q_weight")] = scale if is_weight else packed
+    return packed if is_weight else scale
 
 
 # ------------------------------------------------------------------------------------ split tensors

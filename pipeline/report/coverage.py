@@ -33,6 +33,7 @@ from pipeline.op_classes import (
     elems,
     eval_shape,
     matmul_k,
+    moe_cost,
     nbytes,
     written_params,
 )
@@ -108,6 +109,8 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
     """(bytes read + written, FLOPs) of one call, or (None, None) when not statically known."""
     if cls in ("attention", "kv-cache"):
         return None, None
+    if cls == "moe-gemv":
+        return moe_cost(func, env)
     bufs = buffer_params(func)
     outs = written_params(func, text)
     ins = [b for b in bufs if not any(b.same_as(o) for o in outs)]

@@ -1,0 +1,135 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen3.5-MoE, in Relax over `moe_kernels`.
+
+Per token: router logits ``x W_r^T`` (a small float linear, never quantized: its errors change which
+experts run), softmax + top-k (+ renormalisation) in fp32, the k chosen experts' SwiGLU FFNs, their outputs
+summed with the routing weights; Qwen3.5-MoE adds an always-on shared expert scaled by
+``sigmoid(x w_g)``. The experts' weights are stacked per layer, ``experts.gate_up_proj`` [E, 2I, H] (gate
+rows then up rows, each expert's as in a dense fused MLP) and ``experts.down_proj`` [E, H, I], float or
+q4 / q8 codes of each expert's rows (NK whatever the target's layout: the gather kernels read an expert's
+rows by index). Their parameters carry ``attrs["experts"] = E`` so the converter assembles them from the
+checkpoint's per-expert or stacked tensors (quant/experts.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+
+from pipeline.errors import ConfigError
+from pipeline.formats import FORMAT_BITS, GROUP
+from pipeline.models.layers import FloatLinear, LayerFactory
+from pipeline.models.moe_kernels import moe_down, moe_gate_up, moe_route, weight_shapes
+
+EXPERT_ROLE = "experts"   # the scheme's `formats` key for the routed experts (float | q4 | q8)
+
+
+def gpu_info(target: Any) -> tuple[bool, int]:
+    """(kernels bound to GPU threads?, threads per block) for the hand-written kernels."""
+    kind = target.kind.name if target is not None else "llvm"
+    if kind in ("llvm", "c"):
+        return False, 1
+    threads = target.attrs.get("max_num_threads", 256) if hasattr(target, "attrs") else 256
+    return True, int(min(int(threads), 128))
+
+
+class StackedExperts(nn.Module):
+    """One projection of all E experts, [E, rows, k] (NK): `weight` (float) or `q_weight` + `q_scale`."""
+
+    def __init__(self, experts: int, rows: int, k: int, make: LayerFactory):
+        fmt = make.format_for(EXPERT_ROLE)
+        if fmt not in FORMAT_BITS and fmt != "float":
+            raise ConfigError(f"routed experts cannot be stored as {fmt!r} yet (float, q4 or q8 only)",
+                              fix="choose a q4 / q8 / float scheme, or set formats.experts to q4")
+        self.fmt = fmt if fmt in FORMAT_BITS and k % GROUP == 0 else "float"
+        codes, scales = weight_shapes(self.fmt, experts, rows, k)
+        if self.fmt == "float":
+            self.weight = nn.Parameter(codes, make.weight_dtype)
+            params = [self.weight]
+        else:
+            self.q_weight = nn.Parameter(codes, "uint32" if self.fmt == "q4" else "int8")
+            self.q_scale = nn.Parameter(scales, make.scale_dtype)
+            params = [self.q_weight, self.q_scale]
+        self.scale_dtype = make.scale_dtype
+        for p in params:
+            p.attrs["experts"] = experts
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        return [self.weight] if self.fmt == "float" else [self.q_weight, self.q_scale]
+
+    @property
+    def dtype(self) -> str:
+        return self.weight.dtype if self.fmt == "float" else "float32"
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU FFN (fused gate+up like the dense decoder's MLP)."""
+
+    def __init__(self, hidden: int, inter: int, make: LayerFactory):
+        self.gate_up_proj = make.linear(hidden, 2 * inter, bias=False, role="gate_up_proj")
+        self.down_proj = make.linear(inter, hidden, bias=False, role="down_proj")
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class SharedExpertGate(nn.Module):
+    """The shared expert's gate logit x . w ([1, H] weight, as the checkpoint's one-output linear), computed as
+    a row reduction: as a matmul with N = 1, dlight's GEMV rule emits a dynamically sized local buffer for
+    prefill that OpenCL code generation refuses ("constant size stack allocation")."""
+
+    def __init__(self, hidden: int, dtype: str):
+        self.weight = nn.Parameter((1, hidden), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.astype(x.dtype)
+        return op.sum(x * w, axis=-1, keepdims=True)
+
+
+class SparseMoE(nn.Module):
+    """Router + top-k routed experts (+ a gated shared expert when `shared_inter` > 0)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, inter: int, norm_topk: bool, make: LayerFactory,
+                 gpu: bool, max_threads: int, shared_inter: int = 0):
+        self.hidden, self.num_experts, self.top_k, self.inter = hidden, experts, top_k, inter
+        self.norm_topk, self.dtype = norm_topk, make.dtype
+        self.gpu, self.threads = gpu, max_threads
+        self.gate = FloatLinear(hidden, experts, False, make.weight_dtype)
+        self.experts = ExpertsPair(experts, hidden, inter, make)
+        if shared_inter:
+            self.shared_expert = SharedExpert(hidden, shared_inter, make)
+            self.shared_expert_gate = SharedExpertGate(hidden, make.weight_dtype)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, h = x.shape
+        n = b * s
+        flat = op.reshape(x, (n, h))
+        logits = self.gate(flat)
+        if logits.dtype != "float32":
+            logits = logits.astype("float32")
+        kw = dict(gpu=self.gpu, max_threads=self.threads)
+        E, k, inter, dtype = self.num_experts, self.top_k, self.inter, self.dtype
+        idx, weight = op.tensor_ir_op(moe_route(E, k, self.norm_topk, **kw), "moe_route", [logits],
+                                      [Tensor.placeholder((n, k), "int32"), Tensor.placeholder((n, k), "float32")])
+        gu, down = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up_kernel = moe_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype, **kw)
+        down_kernel = moe_down(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype, **kw)
+        act = op.tensor_ir_op(gate_up_kernel, "moe_gate_up", [flat, idx, *gu.tensors],
+                              Tensor.placeholder((n, k, inter), dtype))
+        y = op.tensor_ir_op(down_kernel, "moe_down", [act, idx, weight, *down.tensors], Tensor.placeholder((n, h), dtype))
+        if self.shared_expert is not None:
+            y = y + op.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return op.reshape(y, (b, s, h))
+
+
+class ExpertsPair(nn.Module):
+    """`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, make: LayerFactory):
+        self.gate_up_proj = StackedExperts(experts, 2 * inter, hidden, make)
+        self.down_proj = StackedExperts(experts, hidden, inter, make)

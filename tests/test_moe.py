@@ -1,0 +1,312 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen3.5-MoE): compiled host-cpu libraries vs transformers.
+
+Tiny configs made here, random init widened so routing is decisive; transformers fp32 is the reference.
+q0f32: prefill 48 tokens + 24 greedy decode steps, max |Δlogit| ≤ 1e-3 × max |reference logit|, tokens
+identical. The gather kernels alone are checked against a float64 NumPy MoE (routing indices exact) for
+float, q4 and q8 expert weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_qwen3_5 import ACTIVE, assert_close, chain, ours, reference, word_tokenizer
+
+from pipeline.models.moe_kernels import moe_down, moe_gate_up, moe_reference, moe_route
+from pipeline.quant.quantize import dequantize_q4, dequantize_q8, quantize_q4, quantize_q8
+from pipeline.runtime.runner import Bundle
+
+VOCAB = 256
+PROMPT_LEN = 48
+DECODE_STEPS = 24
+
+
+def widen(model, norm_std: float = 0.0):
+    """Scale 2-d and stacked expert weights by 3 (the tiny init gives near-flat logits and router
+    probabilities); `norm_std`: give zero-centred norms non-trivial weights."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+            elif norm_std and name.endswith("norm.weight") and "linear_attn" not in name:
+                p.normal_(0.0, norm_std)
+    return model
+
+
+def tiny_qwen3_moe(seed: int = 0, **extra):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    sizes = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(**{**sizes, **extra})
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():   # transformers leaves the stacked experts uninitialised (torch.empty)
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, 0.02)
+    return widen(model)
+
+
+def tiny_qwen35_moe(seed: int = 0):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    cfg = Qwen3_5MoeTextConfig(
+        hidden_size=64, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, vocab_size=VOCAB,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, 0.02)
+    return widen(model, norm_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    model = tiny_qwen3_moe()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+def test_qwen3_moe_q0f32_matches_transformers(qwen3_moe, build_bundle):
+    folder, model = qwen3_moe
+    bundle = build_bundle(folder, "host-cpu", "q0f32")
+    engine = Bundle(bundle).engine()
+    ids = np.random.default_rng(1).integers(0, VOCAB, PROMPT_LEN)
+    got_prefill, got_decode, got_tokens = ours(engine, ids, DECODE_STEPS)
+    ref_prefill, ref_decode, ref_tokens = reference(model, ids, DECODE_STEPS)
+    assert_close(got_prefill, ref_prefill, "prefill logits")
+    assert_close(got_decode, ref_decode, "decode logits")
+    assert got_tokens == ref_tokens
+    # the coverage report counts what a decode step reads: the 2 chosen experts' rows of 8, per layer
+    kernels = {k["name"]: k for k in json.loads((bundle / "reports" / "coverage.json").read_text())["kernels"]}
+    gate_up, down = kernels["moe_gate_up"], kernels["moe_down"]
+    assert gate_up["op_class"] == down["op_class"] == "moe-gemv"
+    expert_bytes = 4 * 3 * 32 * 64   # fp32 gate, up and down of one expert (I = 32, H = 64)
+    step = gate_up["decode_step"]["bytes_per_call"] + down["decode_step"]["bytes_per_call"]
+    assert 2 * expert_bytes <= step < 3 * expert_bytes and gate_up["decode_step"]["calls"] == 2
+
+
+@pytest.mark.slow
+def test_qwen35_moe_q0f32_matches_transformers(tmp_path, build_bundle):
+    """The hybrid (GDN x3 + gated attention) with routed experts + the sigmoid-gated shared expert (slow: ~45 s,
+    most of it compiling the hybrid's entry points; the MoE kernels are the ones the default suite checks)."""
+    model = tiny_qwen35_moe()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = Bundle(build_bundle(tmp_path, "host-cpu", "q0f32")).engine()
+    assert engine.meta["model_config"]["family"] == "qwen3_5_moe"
+    ids = np.random.default_rng(2).integers(0, VOCAB, PROMPT_LEN)
+    got_prefill, got_decode, got_tokens = ours(engine, ids, DECODE_STEPS)
+    ref_prefill, ref_decode, ref_tokens = reference(model, ids, DECODE_STEPS)
+    assert_close(got_prefill, ref_prefill, "prefill logits")
+    assert_close(got_decode, ref_decode, "decode logits")
+    assert got_tokens == ref_tokens
+
+
+@pytest.mark.slow
+def test_qwen3_moe_q4f16_top1_agreement(tmp_path, build_bundle):
+    """q4f16 (q4 experts, dequantized inside the gather kernels) vs transformers fp32 on a Qwen3-MoE trained here
+    for a few seconds on test_qwen3_5's synthetic language: top-1 agreement >= 90% over teacher-forced positions
+    (random weights give near-flat logits, where the top-1 is noise)."""
+    model = tiny_qwen3_moe(vocab_size=512).train()
+    rng, perm = np.random.default_rng(0), np.random.default_rng(1).permutation(ACTIVE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(100):
+        x = torch.from_numpy(chain(rng, 16, 32, perm))
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    assert float(loss) < 1.5, f"the toy did not learn its language (loss {float(loss):.2f})"
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    word_tokenizer().save_pretrained(tmp_path)
+    ids = chain(np.random.default_rng(7), 1, 128, perm)[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    got = Bundle(build_bundle(tmp_path, "host-cpu", "q4f16")).engine().prefill(list(ids), all_logits=True)
+    agreement = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    assert agreement >= 0.90, f"q4f16 top-1 agreement {agreement:.1%} < 90% over {len(ids)} positions"
+
+
+def _run(func, inputs, outputs):
+    import tvm
+
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for a in inputs]
+    outs = [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in outputs]
+    lib["main"](*args, *outs)
+    return [o.numpy() for o in outs]
+
+
+@pytest.mark.parametrize("fmt", ["float", "q4", "q8"])
+def test_gather_kernels_match_numpy(fmt):
+    """Router (softmax, top-2, renormalised or not) and the two gather GEMVs vs a float64 NumPy MoE whose
+    experts are the kernels' dequantized weights: indices exact, outputs within fp32 rounding."""
+    E, inter, hidden, k, n = 8, 32, 64, 2, 5
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    router = rng.standard_normal((E, hidden)).astype(np.float32)
+    gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
+    down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
+    if fmt == "float":
+        gu_args, down_args = [gate_up], [down]
+    else:
+        quant, dequant = (quantize_q4, dequantize_q4) if fmt == "q4" else (quantize_q8, dequantize_q8)
+        cg, sg = quant(gate_up.reshape(-1, hidden))
+        cd, sd = quant(down.reshape(-1, inter))
+        gate_up = dequant(cg, sg).reshape(gate_up.shape)
+        down = dequant(cd, sd).reshape(down.shape)
+        gu_args = [cg.reshape(E, 2 * inter, -1), sg.reshape(E, 2 * inter, -1)]
+        down_args = [cd.reshape(E, hidden, -1), sd.reshape(E, hidden, -1)]
+    for norm in (True, False):
+        want, want_idx = moe_reference(x, router, gate_up, down, k, norm)
+        idx, weight = _run(moe_route(E, k, norm), [x @ router.T], [((n, k), "int32"), ((n, k), "float32")])
+        np.testing.assert_array_equal(idx, want_idx)
+        act, = _run(moe_gate_up(E, inter, hidden, k, "float32", fmt), [x, idx, *gu_args], [((n, k, inter), "float32")])
+        y, = _run(moe_down(E, hidden, inter, k, "float32", fmt), [act, idx, weight, *down_args],
+                  [((n, hidden), "float32")])
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (fmt, norm)
+
+
+def test_sparse_layers_follow_transformers():
+    """mlp_only_layers and decoder_sparse_step pick the same MoE layers as transformers' Qwen3-MoE."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from pipeline.models.llama import DecoderConfig
+
+    for extra in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 3]}, {"decoder_sparse_step": 3,
+                                                                            "mlp_only_layers": [5]}):
+        model = tiny_qwen3_moe(num_hidden_layers=6, **extra)
+        cfg = DecoderConfig.from_hf(model.config.to_dict())
+        want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in model.model.layers]
+        assert [cfg.sparse(i) for i in range(6)] == want and any(want) and not all(want), extra
+
+
+def test_stacked_checkpoint_converts_like_per_expert(qwen3_moe, tmp_path, quant="q4f16_1"):
+    """transformers 5 keeps experts stacked in memory ([E, 2I, H], [E, H, I]) and saves them per expert; a
+    checkpoint in either spelling gives the same bundle tensors, and q4 experts are each expert's rows
+    quantized like any linear weight."""
+    from safetensors.torch import save_file
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.frontend.checkpoint import open_checkpoint
+    from pipeline.quant.convert import iter_converted
+    from pipeline.stages import define, load
+
+    folder, model = qwen3_moe
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    state = {n: t.contiguous() for n, t in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = load(load_model(str(folder)))
+    defined = define(loaded, load_quant(quant), load_target("host-cpu"))   # the same config: the same parameters
+    per_expert, stacked = (dict(iter_converted(ckpt, defined.params, defined.layout, block_bytes=700))
+                           for ckpt in (loaded.checkpoint, open_checkpoint(tmp_path)))
+    assert per_expert.keys() == stacked.keys()
+    for name in per_expert:
+        np.testing.assert_array_equal(per_expert[name], stacked[name], err_msg=name)
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"].numpy()
+    codes, scales = quantize_q4(gate_up[5], "NK")
+    np.testing.assert_array_equal(per_expert["model.layers.1.mlp.experts.gate_up_proj.q_weight"][5], codes)
+    np.testing.assert_array_equal(per_expert["model.layers.1.mlp.experts.gate_up_proj.q_scale"][5], scales)
+    router = state["model.layers.1.mlp.gate.weight"].numpy().astype(np.float16)   # float, the scheme's dtype
+    np.testing.assert_array_equal(per_expert["model.layers.1.mlp.gate.weight"], router)
+
+
+def test_real_35b_config_reads_and_auto_refuses():
+    """Qwen3.5-35B-A3B's shipped config: an all-MoE hybrid with no dense intermediate_size; QUANT=auto refuses it
+    in one line (the memory plan does not count active experts yet)."""
+    from pipeline.config import load_model
+    from pipeline.errors import ConfigError
+    from pipeline.models import config_from_hf
+    from pipeline.quant.auto_plan import plan_auto
+
+    hf = load_model("qwen3.5-35b-a3b").hf_config
+    cfg = config_from_hf(hf)
+    assert (cfg.family, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size, len(cfg.full_layers)) == ("qwen3_5_moe", 256, 8, 512, 512, 10)
+    with pytest.raises(ConfigError, match="does not plan mixture-of-experts"):
+        plan_auto(hf, phone={"app_budget_gb": 20, "bandwidth_gbs": 60}, context=4096)
+
+
+@pytest.mark.parametrize("fmt", ["float", "q4"])
+def test_gpu_kernels_on_pocl(fmt):
+    """The thread-bound (GPU) variants, compiled to OpenCL C for Adreno and run on PoCL (fp32: PoCL has no
+    fp16), give the CPU variants' routing and outputs: what an Adreno build ships (not run at build time)."""
+    from pipeline.verify.opencl import find_opencl_device, run_on_pocl
+    from pipeline.verify.opencl_plan import opencl_kernels
+
+    if find_opencl_device() is None:
+        pytest.skip("no OpenCL platform found (install pocl-opencl-icd: `make system-deps`)")
+    E, inter, hidden, k, n = 8, 32, 64, 2, 5
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    logits = rng.standard_normal((n, E)).astype(np.float32)
+    gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
+    down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
+    if fmt == "float":
+        gu_args, down_args = [gate_up], [down]
+    else:
+        cg, sg = quantize_q4(gate_up.reshape(-1, hidden))
+        cd, sd = quantize_q4(down.reshape(-1, inter))
+        gu_args = [cg.reshape(E, 2 * inter, -1), sg.astype(np.float32).reshape(E, 2 * inter, -1)]
+        down_args = [cd.reshape(E, hidden, -1), sd.astype(np.float32).reshape(E, hidden, -1)]
+    kw = dict(scale_dtype="float32")
+
+    def both(make, inputs, outputs):
+        gpu_args = [*inputs, *[np.zeros(s, d) for s, d in outputs]]
+        run_on_pocl(opencl_kernels(make(gpu=True, max_threads=32)), "main", gpu_args)
+        return gpu_args[len(inputs):], _run(make(gpu=False), inputs, outputs)
+
+    (idx, weight), cpu = both(lambda **g: moe_route(E, k, True, **g), [logits], [((n, k), "int32"), ((n, k), "float32")])
+    np.testing.assert_array_equal(idx, cpu[0])
+    np.testing.assert_allclose(weight, cpu[1], rtol=1e-6)
+    (act,), (act_cpu,) = both(lambda **g: moe_gate_up(E, inter, hidden, k, "float32", fmt, **kw, **g),
+                              [x, idx, *gu_args], [((n, k, inter), "float32")])
+    np.testing.assert_allclose(act, act_cpu, rtol=1e-5, atol=1e-5)
+    (y,), (y_cpu,) = both(lambda **g: moe_down(E, hidden, inter, k, "float32", fmt, **kw, **g),
+                          [act, idx, weight, *down_args], [((n, hidden), "float32")])
+    np.testing.assert_allclose(y, y_cpu, rtol=1e-5, atol=1e-5)
+    assert np.abs(y_cpu).max() > 0.1
+
+
+def test_batch_functions_route_each_token(qwen3_moe, build_bundle):
+    """MLC's batch_prefill / batch_decode (two sequences in one call) match each sequence alone: every token of
+    a batch picks its own experts."""
+    import tvm
+    from test_engine_functions import _embed, _forward, _kv
+
+    folder, _ = qwen3_moe
+    engine = Bundle(build_bundle(folder, "host-cpu", "q0f32")).engine()
+    prompts = ([5, 17, 200, 3, 99, 41], [250, 7, 7, 128, 64, 31, 2, 180, 11])
+    alone_prefill, alone_next = [], []
+    for ids in prompts:
+        engine.reset()
+        alone_prefill.append(engine.prefill(ids))
+        alone_next.append(engine.decode(int(np.argmax(alone_prefill[-1]))))
+    kv = _kv(engine, 2)
+    emb = _embed(engine, [*prompts[0], *prompts[1]])
+    emb = emb._create_view((1, emb.shape[0], emb.shape[1]))
+    ends = tvm.runtime.tensor(np.asarray([len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1], "int32"))
+    logits, kv = _forward(engine, kv, "batch_prefill", [0, 1], [len(p) for p in prompts], emb, ends)
+    for got, want in zip(logits[0], alone_prefill, strict=True):
+        assert_close(got, want, "batch_prefill logits")
+    emb = _embed(engine, [int(np.argmax(x)) for x in alone_prefill])
+    logits, kv = _forward(engine, kv, "batch_decode", [0, 1], [1, 1], emb._create_view((2, 1, emb.shape[1])))
+    for got, want in zip(logits[:, 0], alone_next, strict=True):
+        assert_close(got, want, "batch_decode logits")
