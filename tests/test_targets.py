@@ -41,9 +41,9 @@ def test_default_build_for_adreno(build_bundle):
     kernels = json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]
     assert kernels and all(k["on_device"] and k["rule"] != "none" for k in kernels)
     rules = {k["rule"] for k in kernels}
-    assert {"gemv", "matmul"} <= rules, rules
-    gemv = [k["name"] for k in kernels if k["rule"] == "gemv"]
-    assert any("dequantize" in name for name in gemv), "q4 dequantize is not fused into a GEMV kernel"
+    assert {"dequant_gemv", "matmul"} <= rules, rules
+    gemv = [k["name"] for k in kernels if k["rule"] == "dequant_gemv"]
+    assert any("dequantize" in name for name in gemv), "q4 dequantize is not fused into our GEMV kernel"
 
 
 def test_android_cpu_library(build_bundle, tmp_path):

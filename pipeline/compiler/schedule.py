@@ -17,10 +17,12 @@ from tvm.s_tir import dlight as dl
 from pipeline.compiler.tuning import apply_record, workload_key
 from pipeline.errors import CompileError
 from pipeline.kernels.cpu.schedule import CPUArmDot, CPUInlineParallel
+from pipeline.kernels.gpu.gemv import GPUDequantGEMV
 
 
 def _rules():
     return {
+        "dequant_gemv": GPUDequantGEMV,     # ours: one-token KN GEMV of packed codes, split-K, fp32 sums
         "gemv": dl.gpu.GEMV,
         "matmul": dl.gpu.Matmul,
         "matmul_simt": _simt_matmul_rule(),
