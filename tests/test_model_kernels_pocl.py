@@ -27,6 +27,11 @@ SMOLLM2_SHAPE = dict(architectures=["LlamaForCausalLM"], hidden_size=576, interm
 
 @pytest.fixture(scope="module")
 def fused_adreno_module():
+    return adreno_twin()
+
+
+def adreno_twin():
+    """(the fused module, the fp32 android-adreno target) of the SmolLM2-shaped model (also tests/test_oclgrind.py)."""
     from pipeline.config import ModelSpec, load_target
     from pipeline.models.llama import DecoderConfig
     from pipeline.stages import Defined, Loaded, fuse
