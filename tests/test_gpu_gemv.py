@@ -158,3 +158,86 @@ def test_other_functions_are_left_to_the_next_rule():
     x = te.placeholder((1, 1, 576), "float32", name="x")
     out = te.compute((1, 1, 960), lambda a, b, j: te.sum(x[a, b, r] * deq[r, j], axis=r), name="matmul")
     assert rule.apply(te.create_prim_func([nk, nk_scales, x, out]), target, False) is None
+
+
+# ------------------------------------------------------------------------------------------- fp32 sums
+def smollm2_fp16_kernels() -> dict[str, tuple[str, str]]:
+    """{function: (rule, OpenCL C)} of every dequantize + matmul / GEMV of the SmolLM2 android-adreno q4f16
+    build (the real shapes, one layer, the 49152-wide lm_head): the build's own stages and rules."""
+    import dataclasses
+
+    from test_model_kernels_pocl import SMOLLM2_SHAPE
+    from tvm import tirx
+
+    from pipeline.config import load_target
+    from pipeline.models.layers import LayerFactory
+    from pipeline.models.llama import DecoderConfig, DecoderLM
+    from pipeline.stages import Defined, fuse
+
+    shape = {**SMOLLM2_SHAPE, "vocab_size": 49152, "num_hidden_layers": 1}
+    target = load_target("android-adreno")
+    target = dataclasses.replace(target, tvm_target={**target.tvm_target, "host": {"kind": "llvm"}})
+    module = DecoderLM(DecoderConfig.from_hf(shape), LayerFactory("float16", "q4", "float16", "KN", scale_dtype="float16"),
+                       target.tvm())
+    mod, params = module.export_tvm(spec=module.export_spec())
+    fused = fuse(Defined(module, params, mod, "KN", "float16"), target)
+    out = {}
+    for gv, func in fused.functions_items():
+        name = gv.name_hint
+        if isinstance(func, tirx.PrimFunc) and "matmul" in name:
+            single = tvm.IRModule({name: func.with_attr("global_symbol", name)})
+            scheduled, records = schedule_module(single, target.tvm(), target.schedule_rules, "gpu")
+            out[name] = (records[0].rule, opencl_kernels(scheduled, target.tvm()).source)
+    return out
+
+
+def test_smollm2_fp16_gemv_and_matmul_kernels_sum_in_float():
+    """Each GEMV (decode) and matmul (prefill) kernel of the phone build keeps its sums in float registers:
+    read from the emitted OpenCL C (private arrays updated from themselves with a `+`)."""
+    from pipeline.verify.opencl_plan import accumulators
+
+    kernels = smollm2_fp16_kernels()
+    rules = sorted(rule for rule, _ in kernels.values())
+    assert rules.count("dequant_gemv") == 5 and rules.count("matmul_f32") == 5, rules   # qkv, o, gate_up, down, lm_head
+    for name, (rule, source) in kernels.items():
+        acc = {v: t for per in accumulators(source).values() for v, t in per.items()}
+        assert acc, f"{name} ({rule}): no accumulator found in its OpenCL"
+        assert all(re.fullmatch(r"float\d*", t) for t in acc.values()), f"{name} ({rule}): {acc}"
+        if rule == "dequant_gemv":     # ours holds no half registers at all
+            assert not re.search(r"\bhalf\d* \w+\[\d+\];", source), name
+
+
+def test_widened_prefill_matmul_is_closer_to_exact_than_fp16_sums():
+    """matmul_f32's function (float32 dequantize and sums, one cast) built by LLVM in fp16 against float64
+    numpy: within the output's fp16 rounding, and no worse than the fused function's fp16 sums."""
+    from pipeline.compiler.matmul_f32 import widened
+
+    k, n, m = 1536, 64, 3
+    rng = np.random.default_rng(3)
+    codes, scales, _ = packed_weights("q4", k, n, rng)
+    x = rng.standard_normal((1, m, k)).astype(np.float16)
+    seq = te.var("seq_len", "int64")
+    from pipeline.models import layers
+
+    c = te.placeholder(codes.shape, "uint32", name="codes")
+    s = te.placeholder(scales.shape, "float16", name="scales")
+    xt = te.placeholder((1, seq, k), "float16", name="x")
+    deq = layers.dequantize_te(c, s, "KN", k, n, "float16")
+    r = te.reduce_axis((0, k), name="k")
+    out = te.compute((1, seq, n), lambda a, b, j: te.sum(xt[a, b, r] * deq[r, j], axis=r), name="matmul")
+    fused = te.create_prim_func([c, s, xt, out])
+    wide = widened(fused)
+    assert wide is not None
+    args = [codes, scales.astype(np.float16), x, np.zeros((1, m, n), np.float16)]
+    exact = x[0].astype(np.float64) @ quantized_dense(codes, scales.astype(np.float16))
+    got = run_on_llvm(wide.with_attr("global_symbol", "main"), [a.copy() for a in args])[-1][0].astype(np.float64)
+    half = run_on_llvm(fused.with_attr("global_symbol", "main"), [a.copy() for a in args])[-1][0].astype(np.float64)
+    scale = float(np.abs(exact).max())
+    assert float(np.abs(got - exact).max()) <= 2e-3 * scale
+    assert float(np.abs(got - exact).max()) <= float(np.abs(half - exact).max())
+
+
+def quantized_dense(codes: np.ndarray, scales16: np.ndarray) -> np.ndarray:
+    from pipeline.quant import quantize
+
+    return np.asarray(quantize.dequantize_q4(codes, scales16, "KN"), np.float64).T

@@ -213,9 +213,17 @@ def kn_gemv(p: Plan, x_dtype: str, scale_dtype: str, out_dtype: str) -> tirx.Pri
 
 
 # ------------------------------------------------------------------------------------ recognition
-def _const_dims(param) -> tuple[int, ...] | None:
-    dims = tuple(param.shape)
-    return tuple(int(d) for d in dims) if all(isinstance(d, tirx.IntImm) for d in dims) else None
+def _dims(param, rows: str) -> tuple[int, ...] | None:
+    """Constant dims; rows="prompt": dim 1 of a 3-d buffer may be a variable (reported as -1)."""
+    dims = []
+    for i, d in enumerate(param.shape):
+        if isinstance(d, tirx.IntImm):
+            dims.append(int(d))
+        elif rows == "prompt" and i == 1 and len(param.shape) == 3 and isinstance(d, tirx.Var):
+            dims.append(-1)
+        else:
+            return None
+    return tuple(dims)
 
 
 def _offset_of(block) -> float | None:
@@ -230,11 +238,11 @@ def _offset_of(block) -> float | None:
     return 0.0 if isinstance(code, tirx.Cast) else None
 
 
-def match_kn_gemv(func: tirx.PrimFunc) -> tuple[str, int, int, tuple[str, ...], dict[str, str]] | None:
+def match_kn_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, int, int, tuple[str, ...], dict[str, str]] | None:
     """(format, N, K, the role of each parameter, {role: dtype}) when `func` is a fused one-token GEMV of KN
     codes as models/layers.py and the fuse stage make it: blocks [dequantize, matmul]; codes [K / codes per
-    word, N], scales [groups, N], x [1, 1, K], out [1, 1, N] last; None for anything else (a prompt's
-    symbolic rows, tiled codes, an epilogue)."""
+    word, N], scales [groups, N], x [1, 1, K], out [1, 1, N] last; None for anything else (tiled codes, an
+    epilogue). rows="prompt": x [1, m, K] and out [1, m, N] over one symbolic m instead (a prefill)."""
     found = blocks(func)
     names = [b.name_hint for b in found]
     fmt = next((f for f, spec in FORMATS.items() if names == [spec.block, "matmul"]), None)
@@ -245,18 +253,21 @@ def match_kn_gemv(func: tirx.PrimFunc) -> tuple[str, int, int, tuple[str, ...], 
     offset = _offset_of(found[0])
     if offset is None or offset != float(spec.offset):
         return None
-    shapes = [_const_dims(p) for p in params]
+    shapes = [_dims(p, rows) for p in params]
     if any(s is None for s in shapes):
         return None
-    out = shapes[-1]
-    if len(out) != 3 or out[:2] != (1, 1) or str(params[-1].dtype) not in ("float16", "float32"):
+    out, one = shapes[-1], (1, 1) if rows == "one" else (1, -1)
+    if len(out) != 3 or out[:2] != one or str(params[-1].dtype) not in ("float16", "float32"):
+        return None
+    if rows == "prompt" and not params[-1].shape[1].same_as(next(
+            (p.shape[1] for p, sh in zip(params[:-1], shapes[:-1], strict=True) if len(sh) == 3), None)):
         return None
     n = out[2]
     roles: list[str] = []
     for p, shape in zip(params[:-1], shapes[:-1], strict=True):
         dtype = str(p.dtype)
         roles.append("codes" if dtype == spec.code_dtype and len(shape) == 2 else
-                     "x" if dtype in ("float16", "float32") and len(shape) == 3 and shape[:2] == (1, 1) else
+                     "x" if dtype in ("float16", "float32") and len(shape) == 3 and shape[:2] == one else
                      "scales" if dtype in ("float16", "float32") and len(shape) == 2 else "")
     if sorted(roles) != ["codes", "scales", "x"]:
         return None
