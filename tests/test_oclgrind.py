@@ -94,38 +94,52 @@ def test_gemv_kernel_is_clean_under_oclgrind(oclgrind_run, fmt, k, n):
     assert float(np.abs(got - exact[name]).max()) <= TOL * float(np.abs(exact[name]).max())
 
 
+# TVM library kernels (dlight Fallback schedules of the paged KV cache's append and tree attention) that read
+# a few int32 past their tables: the bounds check of the grid's padding work-items comes after the table read
+# (transpose_append reads position_map[ntoken] for the last work-group's spare work-items). Findings, kept
+# here so that any new report fails.
+KNOWN_TVM_READS = {"tir_kv_cache_transpose_append", "batch_tree_attn", "tree_attn_paged_kv"}
+
+
 @pytest.mark.slow
 def test_every_smollm2_adreno_kernel_under_oclgrind():
-    """Every kernel the PoCL test runs (test_model_kernels_pocl.py: dlight-scheduled norms, matmuls, gathers, ours
-    for the decode GEMVs), on in-range integer inputs, under Oclgrind: zero reports, LLVM's results (~3 min)."""
+    """Every kernel the PoCL tests run (test_model_kernels_pocl.py: dlight-scheduled norms, matmuls, gathers, ours
+    for the decode GEMVs; execution.py's paged-KV-cache runs), on in-range inputs, under Oclgrind: no report
+    but the known out-of-bounds table reads of TVM's kernels above, LLVM's results for the non-KV ones (~5 min)."""
     from test_model_kernels_pocl import KV_DRIVEN, adreno_twin
     from tvm import tirx
 
     from pipeline.compiler.schedule import schedule_module
-    from pipeline.verify.execution import random_args
+    from pipeline.verify.execution import attention_heads, kv_args, random_args
     from pipeline.verify.opencl import run_on_llvm
 
     mod, target = adreno_twin()
+    heads = attention_heads(mod)
     funcs, cases, expected, rules = {}, {}, {}, {}
     for gv, func in mod.functions_items():
         name = gv.name_hint
-        if (not isinstance(func, tirx.PrimFunc) or any(k in name for k in KV_DRIVEN)
-                or (func.attrs is not None and func.attrs.get("tirx.is_scheduled"))):
+        kv = any(k in name for k in KV_DRIVEN)
+        if not isinstance(func, tirx.PrimFunc) or (not kv and func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
             continue
         func = func.with_attr("global_symbol", name)
         scheduled, records = schedule_module(tvm.IRModule({name: func}), target.tvm(), target.schedule_rules, "gpu")
         funcs[name], rules[name] = scheduled[name], records[0].rule
+        if kv:
+            cases[name] = [np.asarray(a) for a in kv_args(name, func, np.random.default_rng(0), heads)]
+            continue
         args = random_args(func, np.random.default_rng(0), {"seq_len": 5, "batch_size": 16, "num_seq": 16})
         # token ids and row positions below 5, the smallest dimension they index (seq_len)
         cases[name] = [np.random.default_rng(1).integers(0, 5, a.shape).astype(a.dtype)
                        if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
         expected[name] = run_on_llvm(func, [a.copy() for a in cases[name]])[-1]
-    run = run_under_oclgrind(tvm.IRModule(funcs), dict(target.tvm_target), cases, timeout=1800)
-    print(f"\nOclgrind: {len(cases)} kernels, {sum(run.total(n) for n in cases)} reports; uninitialised-value "
-          f"check not possible on {sorted(run.unchecked)}")
+    run = run_under_oclgrind(tvm.IRModule(funcs), dict(target.tvm_target), cases, timeout=3000)
+    print(f"\nOclgrind: {len(cases)} kernels; reports: { {n: run.reports[n] for n in cases if run.total(n)} }; "
+          f"uninitialised-value check not possible on {sorted(run.unchecked)}")
     assert not run.failed, run.failed
-    assert {n: run.reports[n] for n in cases if run.total(n)} == {}, run.first
-    assert sum(r == "dequant_gemv" for r in rules.values()) >= 5, rules
-    for name in cases:
+    reported = {n for n in cases if run.total(n)}
+    assert reported <= KNOWN_TVM_READS, {n: run.first[n] for n in reported - KNOWN_TVM_READS}
+    assert all(kind.startswith("Invalid read of size 4") for n in reported for kind in run.reports[n]), run.reports
+    assert "tir_attention_merge_state" in cases and sum(r == "dequant_gemv" for r in rules.values()) >= 5, rules
+    for name in expected:
         scale = max(float(np.abs(expected[name]).max()), 1e-30)
         assert float(np.abs(run.outputs[name][-1] - expected[name]).max()) <= TOL * scale, name

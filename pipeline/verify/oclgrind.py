@@ -108,17 +108,28 @@ def _run(mod: Any, target: Any, cases: dict[str, list[np.ndarray]], timeout: flo
                     run.outputs[name] = [saved[f"arr_{j}"] for j in range(len(saved.files))]
         log = (work / "log.txt").read_text() if (work / "log.txt").exists() else ""
     owner = {k: name for name, ks in kernels.items() for k in ks}
-    for block in re.split(r"\n\s*\n", log):
-        lines = [line for line in block.strip("\n").splitlines() if line.strip()]
-        if not lines or lines[0].startswith("Oclgrind: "):   # its own notes (e.g. errors suppressed)
-            continue
-        kernel = next((line.split(":", 1)[1].strip() for line in lines if line.strip().startswith("Kernel:")), "")
+    for report in _reports(log):
+        kernel = next((line.split(":", 1)[1].strip() for line in report if line.strip().startswith("Kernel:")), "")
         name = owner.get(kernel, kernel or "?")
-        kind = re.sub(r"0x[0-9a-f]+", "<addr>", lines[0].strip())
+        kind = re.sub(r"0x[0-9a-f]+", "<addr>", report[0].strip())
         per = run.reports.setdefault(name, {})
         per[kind] = per.get(kind, 0) + 1
-        run.first.setdefault(name, "\n".join(lines))
+        run.first.setdefault(name, "\n".join(report))
     return run
+
+
+def _reports(log: str) -> list[list[str]]:
+    """Oclgrind's reports in its log: each starts with an unindented line (the kind of error) and goes on with
+    indented lines, blank lines between its parts (a race names both work-items); its own notes are left out."""
+    reports: list[list[str]] = []
+    for line in log.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace() and not (reports and len(reports[-1]) == 1 and "FATAL" in reports[-1][0]):
+            reports.append([line])
+        elif reports:
+            reports[-1].append(line)
+    return [r for r in reports if not r[0].startswith("Oclgrind: ")]   # e.g. "errors suppressed"
 
 
 def _child(work: Path) -> None:
