@@ -38,6 +38,7 @@ LINE_BYTES = 64          # a work-group reads at most this many contiguous bytes
                          # as assumed): wider column tiles would only cut the work-groups per launch
 COLUMN_THREADS = (4, 2, 1)
 OP_CLASS_ATTR = "pipeline.op_class"
+PLAN_ATTR = "pipeline.gpu_plan"     # the launch, for the coverage report's cost columns (report/gpu_cost.py)
 RULE = "dequant_gemv"
 
 
@@ -295,7 +296,8 @@ def kn_gemv_like(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, Plan] | None:
     new = (tirx.PrimFunc(params, kernel.body, kernel.ret_type, func.attrs)
            .with_attr("tirx.is_scheduled", True).with_attr("tirx.noalias", True))
     op_class = "dequant-gemv-ternary" if fmt in ("t2", "b1") else "dequant-gemv"
-    return new.with_attr(OP_CLASS_ATTR, op_class), p
+    launch = {"work_groups": p.groups, "work_items": p.tn * p.tk, "loads": p.loads, "load_bytes": p.v * p.spec.code_bytes}
+    return new.with_attr(OP_CLASS_ATTR, op_class).with_attr(PLAN_ATTR, launch), p
 
 
 class GPUDequantGEMV(ScheduleRule):
