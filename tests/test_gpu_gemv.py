@@ -241,3 +241,12 @@ def quantized_dense(codes: np.ndarray, scales16: np.ndarray) -> np.ndarray:
     from pipeline.quant import quantize
 
     return np.asarray(quantize.dequantize_q4(codes, scales16, "KN"), np.float64).T
+
+
+def test_kernel_keeps_the_fused_functions_buffer_shapes():
+    """The build's PoCL verdicts pair a build kernel with its fp32 twin by name and printed buffer shapes; the
+    fused functions relax makes have int64 dims, and so does the kernel."""
+    kernel, _ = gemv.kn_gemv_like(fused_gemv("q4", 576, 960))
+    shapes = [[d for d in p.shape] for p in kernel.params]
+    assert [[int(d) for d in dims] for dims in shapes] == [[72, 960], [18, 960], [1, 1, 576], [1, 1, 960]]
+    assert all(str(d.ty) == "int64" for dims in shapes for d in dims)

@@ -164,10 +164,11 @@ def kn_gemv(p: Plan, x_dtype: str, scale_dtype: str, out_dtype: str) -> tirx.Pri
     @T.prim_func(s_tir=True)
     def gemv(w_handle: T.handle, s_handle: T.handle, x_handle: T.handle, out_handle: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        w = T.match_buffer(w_handle, (rows, n), spec.code_dtype)
-        s = T.match_buffer(s_handle, (groups, n), scale_dtype)
-        x = T.match_buffer(x_handle, (1, 1, k), x_dtype)
-        out = T.match_buffer(out_handle, (1, 1, n), out_dtype)
+        # int64 dims, as the fused function's (the build's PoCL verdicts match kernels by their shapes)
+        w = T.match_buffer(w_handle, (T.int64(rows), T.int64(n)), spec.code_dtype)
+        s = T.match_buffer(s_handle, (T.int64(groups), T.int64(n)), scale_dtype)
+        x = T.match_buffer(x_handle, (T.int64(1), T.int64(1), T.int64(k)), x_dtype)
+        out = T.match_buffer(out_handle, (T.int64(1), T.int64(1), T.int64(n)), out_dtype)
         red = T.sblock_alloc_buffer((tk, cols), "float32", scope="shared")
         for bx in T.thread_binding(wgs, thread="blockIdx.x"):
             for ty in T.thread_binding(tk, thread="threadIdx.y"):
