@@ -31,6 +31,9 @@ def test_default_build_for_adreno(build_bundle):
     assert members and all(_elf_machine(data) == AARCH64 for data in members.values())
     device_objects = [data for name, data in members.items() if "devc" in name]
     assert device_objects and b"__kernel" in device_objects[0], "no OpenCL kernels embedded"
+    from pipeline.verify.opencl_plan import accumulators  # every GEMV / matmul kernel sums in float registers
+    sums = {k: v for k, v in accumulators(device_objects[0].decode("latin-1")).items() if "matmul" in k and v}
+    assert len(sums) >= 10 and all(t.startswith("float") for v in sums.values() for t in v.values()), sums
     for report in ("coverage.json", "coverage.md", "memory.json", "memory.md"):
         assert (bundle / "reports" / report).exists(), report
     coverage = json.loads((bundle / "reports" / "coverage.json").read_text())
