@@ -66,6 +66,18 @@ def run_under_oclgrind(mod: Any, target: Any, cases: dict[str, list[np.ndarray]]
     with its race / bounds / uninitialised checks on. `target`: the OpenCL target dict the kernels are built for."""
     run = _run(mod, target, cases, timeout, uninitialized=True)
     stopped = [n for n, first in run.first.items() if NO_FREEZE in first and n in cases]
+    # After the plugin stopped on a kernel, later kernels of the same process got spurious uninitialised-value
+    # reports (a SmolLM2 prefill matmul: 1440 in sequence, none alone): those run again without the stopped ones.
+    order = list(cases)
+    after = [n for n in order if stopped and order.index(n) > order.index(stopped[0]) and n not in stopped
+             and run.reports.get(n) and all(k.startswith("Uninitialized") for k in run.reports[n])]
+    if after:
+        alone = _run(mod, target, {n: cases[n] for n in after}, timeout, uninitialized=True)
+        for n in after:
+            for part in ("outputs", "reports", "first", "failed"):
+                getattr(run, part).pop(n, None)
+                if n in getattr(alone, part):
+                    getattr(run, part)[n] = getattr(alone, part)[n]
     if stopped:
         again = _run(mod, target, {n: cases[n] for n in stopped}, timeout, uninitialized=False)
         for n in stopped:
