@@ -73,6 +73,14 @@ system-deps:
 	      || echo "warning: apt-get could not install clang; the qemu-hexagon tests will be skipped"; \
 	  else echo "warning: install clang for the qemu-hexagon kernel tests"; fi; \
 	fi
+	@# Oclgrind runs the GPU kernels with race / bounds / uninitialised-value checks (pipeline/verify/oclgrind.py;
+	@# tests/test_oclgrind.py, skipped without it)
+	@if ! command -v oclgrind >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq oclgrind >/dev/null) \
+	      || echo "warning: apt-get could not install oclgrind; the Oclgrind tests will be skipped"; \
+	  else echo "warning: install oclgrind for the GPU kernel race / bounds checks"; fi; \
+	fi
 	@# headless Chromium renders reports/coverage.html in a test (skipped without it)
 	@if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

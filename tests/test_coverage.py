@@ -203,3 +203,28 @@ def test_a_gather_counts_only_the_gathered_rows_of_its_tables():
     func = te.create_prim_func([ids, w, s, out])
     nbytes, _ = _cost("gather", func, func.script(), {})
     assert nbytes == 2 * seq * dim * 4 + seq * 4
+
+
+def test_adreno_gpu_cost_columns_and_prediction(adreno):
+    """Each decode GEMV row carries its launch (read from the scheduled TIR), our kernel's loads per work-item,
+    and a predicted time that follows the stated model: bytes / (bandwidth x min(1, work-groups / 48))."""
+    from pipeline.kernels.gpu.gemv import plan
+    from pipeline.report.coverage import to_markdown
+    from pipeline.report.gpu_cost import FILL_GROUPS
+
+    _, report, _ = adreno
+    pred = report["summary"]["gpu_prediction"]
+    assert "PREDICTION" in pred["model"] and pred["bandwidth_gbs"] == 76.8
+    gemvs = [r for r in report["kernels"] if r["rule"] == "dequant_gemv" and r["decode_step"]["calls"]]
+    assert len(gemvs) == 5
+    for r in gemvs:
+        cost = r["gpu_cost"]
+        (groups, items), = cost["launches"]
+        k, n = (int(p["shape"][-1]) for p in r["params"] if len(p["shape"]) == 3)
+        p = plan("q4", n, k)
+        assert (groups, items, cost["loads_per_work_item"], cost["load_bytes"]) == (p.groups, p.tn * p.tk, p.loads, 16)
+        want = r["decode_step"]["bytes_per_call"] / (76.8e3 * min(1.0, groups / FILL_GROUPS))
+        assert cost["predicted_us_per_call"] == pytest.approx(want, abs=0.01)
+    total = sum(r["gpu_cost"]["predicted_us_per_call"] * r["decode_step"]["calls"] for r in gemvs)
+    assert pred["decode_gemv_us"] == pytest.approx(total, abs=0.1 * len(gemvs))
+    assert "## GPU launch cost and predicted decode time (PREDICTION)" in to_markdown(report)

@@ -31,6 +31,9 @@ def test_default_build_for_adreno(build_bundle):
     assert members and all(_elf_machine(data) == AARCH64 for data in members.values())
     device_objects = [data for name, data in members.items() if "devc" in name]
     assert device_objects and b"__kernel" in device_objects[0], "no OpenCL kernels embedded"
+    from pipeline.verify.opencl_plan import accumulators  # every GEMV / matmul kernel sums in float registers
+    sums = {k: v for k, v in accumulators(device_objects[0].decode("latin-1")).items() if "matmul" in k and v}
+    assert len(sums) >= 10 and all(t.startswith("float") for v in sums.values() for t in v.values()), sums
     for report in ("coverage.json", "coverage.md", "memory.json", "memory.md"):
         assert (bundle / "reports" / report).exists(), report
     coverage = json.loads((bundle / "reports" / "coverage.json").read_text())
@@ -41,9 +44,9 @@ def test_default_build_for_adreno(build_bundle):
     kernels = json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]
     assert kernels and all(k["on_device"] and k["rule"] != "none" for k in kernels)
     rules = {k["rule"] for k in kernels}
-    assert {"gemv", "matmul"} <= rules, rules
-    gemv = [k["name"] for k in kernels if k["rule"] == "gemv"]
-    assert any("dequantize" in name for name in gemv), "q4 dequantize is not fused into a GEMV kernel"
+    assert {"dequant_gemv", "matmul"} <= rules, rules
+    gemv = [k["name"] for k in kernels if k["rule"] == "dequant_gemv"]
+    assert any("dequantize" in name for name in gemv), "q4 dequantize is not fused into our GEMV kernel"
 
 
 def test_android_cpu_library(build_bundle, tmp_path):

@@ -37,6 +37,7 @@ from pipeline.op_classes import (
     nbytes,
     written_params,
 )
+from pipeline.report.gpu_cost import annotate_gpu_cost, gpu_cost_lines
 
 # Which Relax functions make up one decode step / one prefill chunk (embed runs once per step).
 DECODE_FUNCS = ("decode", "embed")
@@ -306,6 +307,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
               "context_len": context_len, "kernels": rows, "summary": _summary(rows, target, context_len)}
     if phase_note:
         report["phase_note"] = phase_note
+    if target.device == "gpu":
+        annotate_gpu_cost(report, mod, target)
     if (getattr(target, "npu", None) or {}).get("app_runtime"):   # what an app must add to run the NPU code
         report["npu_runtime"] = " ".join(str(target.npu["app_runtime"]).split())
     accel = _accelerator(target)
@@ -536,6 +539,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                      f"| {p['calls']} | {_fmt_bytes(p['bytes'])} |"
                      + (f" {r.get('executed', '')} |" if executed else "")
                      + (f" {r.get('reason', '')} |" if reasons else ""))
+    lines += gpu_cost_lines(report, _fmt_bytes)
     return "\n".join(lines) + "\n"
 
 

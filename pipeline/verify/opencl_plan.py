@@ -469,3 +469,22 @@ def eval_host(expr, env: dict, named: dict[str, Any]):
             return eval_host(expr.args[0], env, named)
         raise NotImplementedError(f"cannot evaluate host call {name}")
     raise NotImplementedError(f"cannot evaluate host expression {type(expr).__name__}: {expr}")
+
+
+_PRIVATE_ARRAY = re.compile(r"^\s*(\w+) (\w+)\[\d+\];", re.M)
+_SELF_UPDATE = re.compile(r"^\s*(\w+)\[([^\]]*)\] = (.*);$", re.M)
+
+
+def accumulators(source: str) -> dict[str, dict[str, str]]:
+    """{kernel: {private array: its element type}} for every private array of each OpenCL kernel that is
+    updated from itself with a `+` (x[i] = (x[i] + ...) or (... + x[i])): the registers a reduction sums in."""
+    out: dict[str, dict[str, str]] = {}
+    for part in re.split(r"^// Function: ", source, flags=re.M)[1:]:
+        name = part.split("\n", 1)[0].strip()
+        declared = {m.group(2): m.group(1) for m in _PRIVATE_ARRAY.finditer(part)}
+        found = out.setdefault(name, {})
+        for m in _SELF_UPDATE.finditer(part):
+            var, index, value = m.groups()
+            if var in declared and "+" in value and f"{var}[{index}]" in value:
+                found[var] = declared[var]
+    return out

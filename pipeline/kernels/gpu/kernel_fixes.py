@@ -5,8 +5,11 @@ attention over cached pages with attention over new tokens) lets every work-item
 head's log-sum-exp S[n, h] and then write it, with no barrier between. It gives the right answer only
 when those work-items run in lockstep (one GPU wave, as on Adreno today); PoCL, which runs them one
 after another, shows the race (execution.py's KV runs; tests/test_kernel_fixes.py pins it). The
-replacement below computes the same merge, reads S before a work-group barrier and lets one work-item
-write it after, so its result does not depend on how the driver schedules work-items.
+replacement below computes the same merge with one work-item reading S and S_other into local memory and,
+after a barrier, the only one to write S: its result does not depend on how the driver schedules
+work-items. (A first version let every work-item read S from global memory and one write it after a
+`barrier(CLK_LOCAL_MEM_FENCE)`, which orders only local memory: Oclgrind reported that as a global-memory
+race, pipeline/verify/oclgrind.py.)
 
 On LLVM (CPU) targets, TVM's script-written KV-cache kernels come without `tirx.noalias`, and one such
 function in the module makes LLVM leave every other kernel of the library unvectorized: SmolLM2's decode
@@ -42,16 +45,20 @@ def race_free_merge_state(v_dtype: str, threads: int = THREADS):
                 for tx in T.thread_binding(threads, thread="threadIdx.x"):
                     with T.sblock("merge"):
                         m = T.sblock_alloc_buffer((3,), "float32", scope="local")   # max, 2^(S-max), 2^(So-max)
-                        m[0] = T.max(S[bx, by], S_other[bx, by])
-                        m[1] = T.exp2(S[bx, by] - m[0])
-                        m[2] = T.exp2(S_other[bx, by] - m[0])
+                        both = T.sblock_alloc_buffer((2,), "float32", scope="shared")   # S, S_other
+                        if tx == 0:
+                            both[0] = S[bx, by]
+                            both[1] = S_other[bx, by]
+                        T.tvm_storage_sync("shared")
+                        m[0] = T.max(both[0], both[1])
+                        m[1] = T.exp2(both[0] - m[0])
+                        m[2] = T.exp2(both[1] - m[0])
                         for i in range(T.ceildiv(D, threads)):
                             if i * threads + tx < D:
                                 V[bx, by, i * threads + tx] = T.Cast(
                                     v_dtype,
                                     (T.Cast("float32", V[bx, by, i * threads + tx]) * m[1]
                                      + T.Cast("float32", V_other[bx, by, i * threads + tx]) * m[2]) / (m[1] + m[2]))
-                        T.tvm_storage_sync("shared")
                         if tx == 0:
                             S[bx, by] = T.log2(m[1] + m[2]) + m[0]
 

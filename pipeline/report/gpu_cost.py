@@ -1,0 +1,127 @@
+"""GPU launch cost per kernel in the coverage report, and a PREDICTION of each kernel's decode time on the
+target's phone.
+
+Read from the scheduled TIR (what the OpenCL C launches): work-groups x work-items of each launch (blockIdx /
+threadIdx bindings with static extents; kernels sized by the prompt or the KV cache say "symbolic"), and, for
+our own kernels, the loads per work-item their plan records (`pipeline.gpu_plan`). The prediction is a
+stated model, not a measurement: a kernel streams its decode bytes at the phone's bandwidth (target
+`phone.bandwidth_gbs`) scaled by how much of the GPU its launch fills,
+
+    time = bytes / (bandwidth x min(1, work-groups / FILL_GROUPS)),
+
+FILL_GROUPS = 48 (4 work-groups per shader processor of an Adreno 750, 12 SPs). It ignores launch overhead,
+caches and compute, so it is a floor for what a kernel can reach, not a forecast of what it will.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tvm import tirx
+from tvm.s_tir import SBlock, SBlockRealize
+
+PLAN_ATTR = "pipeline.gpu_plan"
+FILL_GROUPS = 48
+MODEL = ("PREDICTION (a model, not a measurement): bytes / (phone bandwidth x min(1, work-groups / "
+         f"{FILL_GROUPS})); no launch overhead, caches or compute")
+
+
+def _statements(stmt: tirx.Stmt):
+    stack = [stmt]
+    while stack:
+        s = stack.pop()
+        if s is None:
+            continue
+        yield s
+        if isinstance(s, tirx.SeqStmt):
+            stack.extend(reversed(list(s.seq)))
+        elif isinstance(s, SBlockRealize):
+            stack.append(s.block)
+        elif isinstance(s, SBlock):
+            stack.extend([s.body, s.init])
+        elif isinstance(s, tirx.IfThenElse):
+            stack.extend([s.else_case, s.then_case])
+        else:
+            stack.append(getattr(s, "body", None))
+
+
+def _binding(s) -> tuple[str, Any] | None:
+    """(thread tag, extent) of a thread-bound loop or a launch_thread attribute."""
+    if isinstance(s, tirx.For) and s.thread_binding is not None:
+        return str(s.thread_binding.thread_tag), s.extent
+    if isinstance(s, tirx.AttrStmt) and str(s.attr_key) == "thread_extent":
+        return str(s.node.thread_tag), s.value
+    return None
+
+
+def launches(func: tirx.PrimFunc) -> list[tuple[int, int]] | None:
+    """(work-groups, work-items per group) of each launch of a scheduled kernel, in program order; None when an
+    extent is symbolic. A launch is a nest of blockIdx bindings with the threadIdx bindings under it."""
+    out: list[dict[str, int]] = []
+    for s in _statements(func.body):
+        bound = _binding(s)
+        if bound is None:
+            continue
+        tag, extent = bound
+        if not isinstance(extent, tirx.IntImm):
+            return None
+        if tag.startswith("blockIdx") and (not out or tag in out[-1] or any(t.startswith("threadIdx") for t in out[-1])):
+            out.append({})
+        if not out:
+            out.append({})
+        out[-1].setdefault(tag, int(extent))
+    return [(math.prod(v for t, v in d.items() if t.startswith("blockIdx")),
+             math.prod(v for t, v in d.items() if t.startswith("threadIdx"))) for d in out]
+
+
+def annotate_gpu_cost(report: dict[str, Any], mod: Any, target: Any) -> None:
+    """Add launch shape, loads per work-item and the predicted decode time to each GPU kernel row (in place),
+    and the predicted decode step to the summary."""
+    bandwidth = float((getattr(target, "phone", None) or {}).get("bandwidth_gbs") or 0)
+    total_us, gemv_us, covered = 0.0, 0.0, 0
+    for row in report["kernels"]:
+        func = next((f for gv, f in mod.functions_items() if gv.name_hint == row["name"]), None)
+        if row["placement"] != "GPU" or func is None:
+            continue
+        shape = launches(func) if isinstance(func, tirx.PrimFunc) else None
+        cost: dict[str, Any] = {"launches": shape}
+        plan = func.attrs.get(PLAN_ATTR) if isinstance(func, tirx.PrimFunc) and func.attrs else None
+        if plan is not None:
+            cost["loads_per_work_item"] = int(plan["loads"])
+            cost["load_bytes"] = int(plan["load_bytes"])
+        d = row["decode_step"]
+        if bandwidth and shape and d.get("bytes_per_call") and d["calls"]:
+            groups = min(g for g, _ in shape)
+            us = d["bytes_per_call"] / (bandwidth * 1e3 * min(1.0, groups / FILL_GROUPS))
+            cost["predicted_us_per_call"] = round(us, 2)
+            total_us += us * d["calls"]
+            covered += 1
+            if row["op_class"].startswith("dequant-gemv"):
+                gemv_us += us * d["calls"]
+        row["gpu_cost"] = cost
+    report["summary"]["gpu_prediction"] = {
+        "model": MODEL, "bandwidth_gbs": bandwidth, "kernels": covered,
+        "decode_step_us": round(total_us, 1), "decode_gemv_us": round(gemv_us, 1)}
+
+
+def gpu_cost_lines(report: dict[str, Any], fmt_bytes) -> list[str]:
+    """The coverage.md section: one row per GPU kernel that has a decode call."""
+    pred = report["summary"].get("gpu_prediction")
+    if not pred:
+        return []
+    lines = ["", "## GPU launch cost and predicted decode time (PREDICTION)", "",
+             f"Model: {pred['model']}; {pred['bandwidth_gbs']} GB/s. Predicted decode step over "
+             f"{pred['kernels']} costed kernels: {pred['decode_step_us']} µs, of which dequant GEMVs "
+             f"{pred['decode_gemv_us']} µs (the KV-cache attention is costed only with a context length).", "",
+             "| kernel | rule | decode bytes / call | work-groups x work-items | loads / work-item | predicted µs / call |",
+             "|---|---|---|---|---|---|"]
+    for r in report["kernels"]:
+        cost = r.get("gpu_cost")
+        if not cost or not r["decode_step"]["calls"]:
+            continue
+        shape = "; ".join(f"{g} x {i}" for g, i in cost["launches"]) if cost["launches"] else "symbolic"
+        loads = f"{cost['loads_per_work_item']} x {cost['load_bytes']} B" if "loads_per_work_item" in cost else "-"
+        lines.append(f"| `{r['name']}` | {r['rule']} | {fmt_bytes(r['decode_step']['bytes_per_call'])} | {shape} "
+                     f"| {loads} | {cost.get('predicted_us_per_call', '-')} |")
+    return lines
