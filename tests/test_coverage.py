@@ -146,7 +146,8 @@ def test_write_coverage(adreno, tmp_path):
     assert js.read_text() == json.dumps(report, indent=1, sort_keys=True) + "\n"
     text = md.read_text()
     assert "| **Total** |" in text
-    kernel_lines = [line for line in text.splitlines() if line.startswith("| `")]
+    kernels_section = text.split("## Kernels", 1)[1].split("\n## ", 1)[0]   # not the GPU launch-cost table after it
+    kernel_lines = [line for line in kernels_section.splitlines() if line.startswith("| `")]
     assert len(kernel_lines) == len(report["kernels"])
     for r in report["kernels"]:
         assert sum(f"`{r['name']}`" in line for line in kernel_lines) == 1
