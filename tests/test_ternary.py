@@ -441,7 +441,8 @@ def test_phone_targets_compile_ternary(request, build_bundle, target, scheme):
     if target == "android-adreno":
         assert any(b"__kernel" in o for o in objs)
         rules = {k["name"]: k["rule"] for k in kernels if f"dequantize_{fmt}" in k["name"]}
-        assert "gemv" in rules.values() and all(r in ("gemv", "matmul") for r in rules.values()), rules
+        gemv_rules, matmul_rules = ("gemv", "dequant_gemv"), ("matmul", "matmul_f32")
+        assert set(gemv_rules) & set(rules.values()) and all(r in gemv_rules + matmul_rules for r in rules.values()), rules
 
 
 def test_scheme_options_are_checked(tmp_path):
