@@ -19,31 +19,13 @@ import math
 from typing import Any
 
 from tvm import tirx
-from tvm.s_tir import SBlock, SBlockRealize
+
+from pipeline.tir_walk import statements
 
 PLAN_ATTR = "pipeline.gpu_plan"
 FILL_GROUPS = 48
 MODEL = ("PREDICTION (a model, not a measurement): bytes / (phone bandwidth x min(1, work-groups / "
          f"{FILL_GROUPS})); no launch overhead, caches or compute")
-
-
-def _statements(stmt: tirx.Stmt):
-    stack = [stmt]
-    while stack:
-        s = stack.pop()
-        if s is None:
-            continue
-        yield s
-        if isinstance(s, tirx.SeqStmt):
-            stack.extend(reversed(list(s.seq)))
-        elif isinstance(s, SBlockRealize):
-            stack.append(s.block)
-        elif isinstance(s, SBlock):
-            stack.extend([s.body, s.init])
-        elif isinstance(s, tirx.IfThenElse):
-            stack.extend([s.else_case, s.then_case])
-        else:
-            stack.append(getattr(s, "body", None))
 
 
 def _binding(s) -> tuple[str, Any] | None:
@@ -59,7 +41,7 @@ def launches(func: tirx.PrimFunc) -> list[tuple[int, int]] | None:
     """(work-groups, work-items per group) of each launch of a scheduled kernel, in program order; None when an
     extent is symbolic. A launch is a nest of blockIdx bindings with the threadIdx bindings under it."""
     out: list[dict[str, int]] = []
-    for s in _statements(func.body):
+    for s in statements(func.body):
         bound = _binding(s)
         if bound is None:
             continue

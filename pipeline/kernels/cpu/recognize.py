@@ -10,8 +10,6 @@ few statement kinds a function body holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from tvm import ir, tirx
 from tvm.s_tir import SBlock, SBlockRealize
 
@@ -28,30 +26,9 @@ from pipeline.kernels.cpu.packed import (
     PackedFormat,
     q8_tile_of,
 )
+from pipeline.tir_walk import statements  # noqa: F401 - also read as recognize.statements
 
 _LOAD = ir.expr.TensorLoad   # what tirx.BufferLoad builds in this TVM
-
-
-def statements(stmt: tirx.Stmt) -> Iterator[tirx.Stmt]:
-    """Every statement under `stmt`, itself first, in program order (a block before its init, its init before
-    its body)."""
-    stack = [stmt]
-    while stack:
-        s = stack.pop()
-        if s is None:
-            continue
-        yield s
-        if isinstance(s, tirx.SeqStmt):
-            children = list(s.seq)
-        elif isinstance(s, SBlockRealize):
-            children = [s.block]
-        elif isinstance(s, SBlock):
-            children = [s.init, s.body]
-        elif isinstance(s, tirx.IfThenElse):
-            children = [s.then_case, s.else_case]
-        else:   # For, While, AttrStmt, ...: one body, or none (stores, bindings, allocations)
-            children = [getattr(s, "body", None)]
-        stack.extend(reversed(children))
 
 
 def blocks(func: tirx.PrimFunc) -> list[SBlock]:
