@@ -34,7 +34,7 @@ export TRANSFORMERS_OFFLINE := 1
 export MODEL TARGET QUANT OUT PHONE FORCE_CPU PROMPT RUN_TARGET RUN_QUANT MAX_NEW_TOKENS RPC TRIALS KERNELS \
        CALIB KV RELEASE RELEASE_OUT MATRIX BUNDLE
 
-.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash bench-phone-cpu bench-hexagon llamacpp release release-matrix mlc-engine conformance bench-mlc-engine
+.PHONY: setup system-deps build run test test-slow tune lint clean bench bench-convert bench-quality bench-speed bench-read-floor bench-decode-profile bench-host-overhead bench-hash bench-phone-cpu bench-hexagon llamacpp release release-matrix mlc-engine conformance bench-mlc-engine aarch64-vm
 
 setup: $(STAMP)
 
@@ -136,6 +136,11 @@ mlc-engine: $(STAMP)
 # bundles, and `pipeline check` on every phone target's bundle. Needs `make mlc-engine` first.
 conformance: $(STAMP)
 	$(PY) -m clients.mlc_engine.conformance --dist "$$OUT"
+
+# The TVM runtime cross-built for aarch64 (clients/aarch64_vm/build.py; ~9 min once, cached): an android-cpu bundle's
+# whole decode then runs under qemu-aarch64 with `python -m clients.aarch64_vm.run <bundle>` (docs/verification.md).
+aarch64-vm: $(STAMP) system-deps
+	$(PY) -m clients.aarch64_vm.build
 
 # Decode tok/s of the host-cpu bundle served by MLC's engine vs `pipeline run`, side by side (a ratio).
 bench-mlc-engine: $(STAMP)

@@ -21,7 +21,6 @@ cached per source under objects/ so that a glue edit recompiles one file.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -32,11 +31,19 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+if str(Path(__file__).resolve().parents[2]) not in sys.path:   # run as a script: the checkout's clients/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from clients.native_build import Missing
+from clients.native_build import compile_all as _compile_all
+from clients.native_build import key as _key
+from clients.native_build import log as _log
+from clients.native_build import package_dir as _package_dir
+from clients.native_build import sha256 as _sha256
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -75,10 +82,6 @@ LOCAL_INCLUDES = ["3rdparty/tvm/include", "3rdparty/stb", "3rdparty/tokenizers-c
                   "3rdparty/xgrammar/include", "3rdparty/xgrammar/3rdparty/picojson"]
 
 
-class Missing(Exception):
-    """A prerequisite is absent: one line naming it and the fix."""
-
-
 @dataclass
 class Toolchain:
     cxx: str
@@ -95,14 +98,6 @@ class Toolchain:
     link_extra: list[str] = field(default_factory=list)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def vendor_dir() -> Path:
     env = os.environ.get("MLC_VENDOR_DIR")
     candidates = [Path(env)] if env else [REPO.parent / "shared" / "vendor", Path("/work/shared/vendor")]
@@ -115,14 +110,6 @@ def vendor_dir() -> Path:
             return d
     where = "MLC_VENDOR_DIR=" + env if env else " or ".join(str(c) for c in candidates)
     raise Missing(f"no vendor folder ({where}); set MLC_VENDOR_DIR to the folder with {', '.join(ARCHIVES)}")
-
-
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.origin is None:
-        raise Missing(f"Python package `{name}` not importable by {sys.executable}; run `make setup` "
-                      f"(or run this script with the repository's .venv/bin/python)")
-    return Path(spec.origin).parent
 
 
 def toolchain() -> Toolchain:
@@ -207,10 +194,6 @@ def key_inputs(vendor: Path, tc: Toolchain) -> dict:
     }
 
 
-def _key(inputs: dict) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
-
-
 def complete(folder: Path) -> Path | None:
     """The library in a finished cache folder (manifest present, library hash as recorded), else None."""
     try:
@@ -252,42 +235,6 @@ def sources(root: Path) -> list[str]:
     return [*mlc, *xgrammar, "3rdparty/tokenizers-cpp/src/huggingface_tokenizer.cc"]
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _compile_all(root: Path, jobs: list[tuple[str, Path, list[str], Path]], workers: int) -> list[str]:
-    """jobs: (label, source, flags, object). Objects already cached are skipped. Returns failure messages."""
-    todo = [j for j in jobs if not j[3].is_file()]
-    total, cached = len(jobs), len(jobs) - len(todo)
-    if cached:
-        _log(f"mlc-engine: {cached}/{total} objects cached")
-    failures: list[str] = []
-    counter = {"n": cached}
-    lock = threading.Lock()
-
-    def run(job):
-        label, src, flags, obj = job
-        t0 = time.perf_counter()
-        tmp = obj.with_name(f"{obj.name}.{os.getpid()}.tmp")
-        r = subprocess.run([*flags, "-c", str(src), "-o", str(tmp)], cwd=root, capture_output=True, text=True)
-        with lock:
-            counter["n"] += 1
-            n = counter["n"]
-        if r.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            tail = "\n".join(r.stderr.strip().splitlines()[-30:])
-            _log(f"[{n}/{total}] FAILED {label}\n{tail}")
-            failures.append(label)
-            return
-        os.replace(tmp, obj)
-        _log(f"[{n}/{total}] {label} ({time.perf_counter() - t0:.1f} s)")
-
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        list(pool.map(run, todo))
-    return failures
-
-
 def build(jobs: int | None = None, quiet_if_cached: bool = False) -> Path:
     vendor = vendor_dir()
     tc = toolchain()
@@ -322,7 +269,7 @@ def build(jobs: int | None = None, quiet_if_cached: bool = False) -> Path:
             jobs_list.append((f"clients/mlc_engine/{g}", HERE / g, [*base, *glue_flags(tc)], objects / f"{h}.o"))
         _log(f"mlc-engine: {len(vendor_srcs)} vendor sources + {len(GLUE)} glue sources, {workers} at a time "
              f"({tc.cxx_version})")
-        failures = _compile_all(staged, jobs_list, workers)
+        failures = _compile_all(staged, jobs_list, workers, "mlc-engine")
         if failures:
             raise SystemExit(f"mlc-engine: {len(failures)} file(s) failed to compile: {', '.join(failures)}")
         out = work / "out"

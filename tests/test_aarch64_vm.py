@@ -1,0 +1,89 @@
+"""An android-cpu bundle's whole decode — Relax VM, paged KV cache, every kernel — executed under qemu-aarch64.
+
+clients/aarch64_vm cross-builds the TVM runtime from the wheel's own sources and links the bundle's objects
+with it into one static aarch64 program, as an Android app links them; qemu-aarch64 runs it. The slow test
+compares SmolLM2-135M q4f16 (`make build TARGET=android-cpu`) with the host-cpu bundle of the same model and
+quantization run by `pipeline run`'s engine on this machine:
+- 16 greedy ids identical;
+- logits of the prompt and of every decode step within LOGIT_TOLERANCE of the host's largest logit. Both
+  libraries hold the same q4 codes but different kernels: the phone's sdot GEMVs round each activation
+  block to two bytes and sum in int32 / fp32, its fp16 arithmetic fuses multiply-adds (one rounding); x86
+  takes its own path. Measured on 2026-12-06: at most 0.0038 over the prompt and 16 steps (5x margin);
+- 1 and 4 threads (TVM's thread pool, TVM_NUM_THREADS) give bit-identical logits: each output element is
+  summed by one thread in a fixed order.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from clients.aarch64_vm import build as vm_build
+from clients.aarch64_vm.run import decode, system_lib_prefix, tokenize
+from clients.native_build import Missing
+
+TOOLS = ("qemu-aarch64", vm_build.CXX)
+MISSING = [t for t in TOOLS if shutil.which(t) is None]
+needs_tools = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} (`make system-deps` "
+                                 "installs qemu-user and g++-aarch64-linux-gnu)")
+
+PROMPT = "The capital of France is"
+STEPS = 16
+LOGIT_TOLERANCE = 0.02   # of the host's largest |logit| per step
+
+
+def test_a_bundle_without_a_phone_library_is_refused_in_one_line(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "model.so").write_bytes(b"")
+    with pytest.raises(Missing, match="make build TARGET=android-cpu"):
+        vm_build.library_tar(tmp_path)
+    (tmp_path / "mlc-chat-config.json").write_text(json.dumps({"model_lib": "lib/model.so"}))
+    with pytest.raises(Missing, match="no system_lib_prefix"):
+        system_lib_prefix(tmp_path)
+
+
+def test_runtime_key_follows_the_wheel_and_the_flags(monkeypatch):
+    """A different compiler flag or tvm version is a different cached runtime (never a stale archive)."""
+    if shutil.which(vm_build.CXX) is None:
+        pytest.skip(f"needs {vm_build.CXX}")
+    from clients.native_build import key
+    base = key(vm_build.key_inputs(vm_build.CXX))
+    assert key(vm_build.key_inputs(vm_build.CXX)) == base
+    monkeypatch.setattr(vm_build, "CXXFLAGS", [*vm_build.CXXFLAGS, "-O3"])
+    assert key(vm_build.key_inputs(vm_build.CXX)) != base
+    # the sources listed are the wheel's: the VM, the paged KV cache and the tensor cache are among them
+    sources = vm_build.key_inputs(vm_build.CXX)["sources"]["tvm"]
+    assert {"runtime/vm/vm.cc", "runtime/vm/paged_kv_cache.cc", "runtime/vm/tensor_cache_support.cc"} <= set(sources)
+
+
+def host_greedy(bundle, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    from pipeline.runtime.runner import Bundle
+
+    engine = Bundle(bundle).engine()
+    logits = [np.asarray(engine.prefill(ids), dtype=np.float32)]
+    out = []
+    for _ in range(steps):
+        out.append(int(np.argmax(logits[-1])))
+        logits.append(np.asarray(engine.decode(out[-1]), dtype=np.float32))
+    return out, np.stack(logits)
+
+
+@needs_tools
+@pytest.mark.slow
+def test_smollm2_android_cpu_decode_under_qemu_matches_host(build_bundle):
+    phone = build_bundle("smollm2-135m", "android-cpu", "q4f16")
+    host = build_bundle("smollm2-135m", "host-cpu", "q4f16")
+    ids = tokenize(phone, PROMPT)
+    one = decode(phone, ids, STEPS, threads=1)
+    four = decode(phone, ids, STEPS, threads=4)
+    ref_ids, ref_logits = host_greedy(host, ids, STEPS)
+
+    assert one.ids == ref_ids, f"greedy ids differ: qemu {one.ids} host {ref_ids}"
+    scale = np.abs(ref_logits).max(axis=1)
+    err = np.abs(one.logits - ref_logits).max(axis=1) / scale
+    print(f"\naarch64 vs host logits: max rel. error per step {np.round(err, 4).tolist()}")
+    assert err.max() <= LOGIT_TOLERANCE
+    assert four.ids == one.ids and np.array_equal(four.logits, one.logits), "4 threads differ from 1"
