@@ -1,0 +1,91 @@
+"""Our android-cpu bundle counted as a whole program under qemu-aarch64, the way llama-bench is counted.
+
+The bundle's objects linked with the cross-built TVM runtime and clients/aarch64_vm/decode_driver.cc (what an
+app does) run a real decode: runtime start, weights loaded through the tensor cache, the Relax VM, the paged
+KV cache, every kernel, the thread pool. Three runs per thread count, each under the counting plugin:
+
+    A = prompt of 128 tokens, 2 greedy steps      B = the same prompt, 10 steps      C = a 1-token prompt, 0 steps
+
+decode per token (at 128-138 cached tokens) = (B - A) / 8; prefill per token = (A - 2 x decode - C) / 127, i.e.
+a 128-token prompt minus a 1-token one, as llama.cpp's (-p 128) - (-p 1). The counted range is the decode
+GEMV kernels' own symbols (their parallel-loop bodies included): the GEMV columns. Multi-thread runs set
+TVM_THREAD_POOL_SPIN_COUNT=0 (workers sleep instead of spinning between kernels: llama.cpp's --poll 0), so
+the counts are work, not waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from benchmarks import qemu_counter as qc
+
+PROMPT = 128
+DECODE_RUNS = (2, 10)
+
+
+def prompt_ids(n: int = PROMPT) -> list[int]:
+    """n token ids of ordinary text-range tokens (a step's cost does not depend on which)."""
+    return [100 + (i * 7919) % 30000 for i in range(n)]
+
+
+def gemv_ranges(exe: Path, bundle: Path) -> list[tuple[int, int]]:
+    """Address ranges of the decode GEMV kernels (coverage op class dequant-gemv*, called by decode) in exe."""
+    coverage = json.loads((bundle / "reports" / "coverage.json").read_text())
+    prefix = json.loads((bundle / "mlc-chat-config.json").read_text())["system_lib_prefix"]
+    names = [k["name"] for k in coverage["kernels"]
+             if k["op_class"].startswith("dequant-gemv") and k["decode_step"]["calls"]]
+    pattern = re.compile(rf"^(__tvm_ffi_)?{re.escape(prefix)}({'|'.join(map(re.escape, names))})(_compute_\w*)?$")
+    ranges = [r for name, r in qc.symbol_ranges(exe, prefix="").items() if pattern.match(name) and r[1] > r[0]]
+    if not ranges:
+        raise qc.CounterError(f"no GEMV kernel symbols of {bundle.name} found in {exe}")
+    return ranges
+
+
+def _run(exe: Path, bundle: Path, ids: list[int], steps: int, threads: int, ranges, tmp: Path) -> qc.Counts:
+    from clients.aarch64_vm.run import system_lib_prefix
+
+    (tmp / "ids.txt").write_text(" ".join(map(str, ids)) + "\n")
+    env = {**os.environ, "TVM_NUM_THREADS": str(threads)}
+    if threads > 1:
+        env["TVM_THREAD_POOL_SPIN_COUNT"] = "0"
+    argv = [exe, system_lib_prefix(bundle), bundle, tmp / "ids.txt", steps, tmp / "logits.bin", tmp / "ids_out.txt"]
+    counts, _ = qc.run(argv, ranges, env=env)
+    return counts
+
+
+def _combine(parts: list[tuple[float, qc.Counts]]) -> dict[str, dict[str, float]]:
+    """sum of weight x counts, per count key, for the totals and the range."""
+    return {side: {k: sum(w * getattr(c, side)[k] for w, c in parts) for k in qc.COUNT_KEYS}
+            for side in ("total", "range")}
+
+
+def per_token(a: qc.Counts, b: qc.Counts, c: qc.Counts) -> tuple[dict, dict]:
+    """(decode, prefill) per token from the runs A, B, C of the module docstring."""
+    n, m = DECODE_RUNS[1] - DECODE_RUNS[0], PROMPT - 1
+    decode = _combine([(1 / n, b), (-1 / n, a)])
+    prefill = _combine([(1 / m, a), (-1 / m, c), (DECODE_RUNS[0] / n / m, a), (-DECODE_RUNS[0] / n / m, b)])
+    return decode, prefill
+
+
+def measure(bundle: Path, threads_list: list[int], log=print) -> dict:
+    """Per thread count: decode and prefill per token, whole program ("total") and GEMV kernels ("range")."""
+    from clients.aarch64_vm import build
+
+    exe = build.driver(bundle)
+    ranges = gemv_ranges(exe, bundle)
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="phone-cpu-whole-") as tmp:
+        for threads in threads_list:
+            a = _run(exe, bundle, prompt_ids(), DECODE_RUNS[0], threads, ranges, Path(tmp))
+            b = _run(exe, bundle, prompt_ids(), DECODE_RUNS[1], threads, ranges, Path(tmp))
+            c = _run(exe, bundle, prompt_ids(1), 0, threads, ranges, Path(tmp))
+            decode, prefill = per_token(a, b, c)
+            out[str(threads)] = {"decode": decode, "prefill": prefill}
+            log(f"  ours {bundle.name} t{threads}: decode {decode['total']['insns'] / 1e6:.1f} M instr/token "
+                f"(GEMV {decode['range']['insns'] / 1e6:.1f} M), prefill {prefill['total']['insns'] / 1e6:.1f} M "
+                f"instr/token")
+    return out
