@@ -6,6 +6,7 @@ KV cache, every kernel, the thread pool. Three runs per thread count, each under
 
     A = prompt of 128 tokens, 2 greedy steps      B = the same prompt, 10 steps      C = a 1-token prompt, 0 steps
 
+The driver runs in its benchmark mode (no logits read back, no argmax: llama-bench samples nothing either).
 decode per token (at 128-138 cached tokens) = (B - A) / 8; prefill per token = (A - 2 x decode - C) / 127, i.e.
 a 128-token prompt minus a 1-token one, as llama.cpp's (-p 128) - (-p 1). The counted range is the library's
 code (all its kernels; the rest is the runtime and libc). The decode GEMVs cannot be told apart by symbol
@@ -61,7 +62,8 @@ def _run(exe: Path, bundle: Path, ids: list[int], steps: int, threads: int, rang
     env = {**os.environ, "TVM_NUM_THREADS": str(threads)}
     if threads > 1:
         env["TVM_THREAD_POOL_SPIN_COUNT"] = "0"
-    argv = [exe, system_lib_prefix(bundle), bundle, tmp / "ids.txt", steps, tmp / "logits.bin", tmp / "ids_out.txt"]
+    # logits "-": no read-back or argmax (llama-bench samples nothing either); each step fed the prompt's last id
+    argv = [exe, system_lib_prefix(bundle), bundle, tmp / "ids.txt", steps, "-", tmp / "ids_out.txt"]
     counts, _ = qc.run(argv, ranges, env=env)
     return counts
 

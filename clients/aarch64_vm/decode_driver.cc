@@ -8,7 +8,9 @@
  *
  * PREFIX  the library's system-lib prefix        BUNDLE  the bundle folder (tensor-cache.json)
  * IDS     prompt token ids, whitespace separated  STEPS   greedy decode steps after the prompt
- * LOGITS  written: float32 logits, the prompt's last position then each decode step ([STEPS + 1, V])
+ * LOGITS  written: float32 logits, the prompt's last position then each decode step ([STEPS + 1, V]);
+ *         "-": none read back, no argmax, each step fed the prompt's last id (what llama-bench does: the
+ *         benchmark counts the library's and the runtime's work, not the caller's sampling)
  * OUT_IDS written: the STEPS greedy ids, one per line
  * Like an app runtime, it reads the parameter names, context window, prefill chunk and KV-state kind from
  * the library's `_metadata()`. Threads: TVM_NUM_THREADS, as in an app.
@@ -138,8 +140,9 @@ struct Session {
 
   explicit Session(Module vm) : vm(std::move(vm)) {}
 
-  /*! Embed `ids`, run `fn` over them (begin / end forward around it), return the last position's logits. */
-  std::vector<float> Forward(const char* fn, const std::vector<int32_t>& ids) {
+  /*! Embed `ids`, run `fn` over them (begin / end forward around it), return the last position's logits
+   * (none when `read_logits` is false). */
+  std::vector<float> Forward(const char* fn, const std::vector<int32_t>& ids, bool read_logits = true) {
     int64_t n = static_cast<int64_t>(ids.size());
     Tensor tokens = Tensor::Empty(Shape({n}), DLDataType{kDLInt, 32, 1}, kCPU);
     tokens.CopyFromBytes(ids.data(), ids.size() * sizeof(int32_t));
@@ -154,7 +157,7 @@ struct Session {
     Array<Any> outs = result.cast<Array<Any>>();
     for (size_t i = 0; i < states.size(); ++i) states[i] = outs[i + 1];
     for (const Any& s : states) Global("vm.builtin.kv_state_end_forward")(s);
-    return LastLogits(outs[0].cast<Tensor>());
+    return read_logits ? LastLogits(outs[0].cast<Tensor>()) : std::vector<float>();
   }
 };
 
@@ -198,6 +201,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<float> logits;
+  if (std::strcmp(logits_path, "-") == 0) {  // benchmark mode: the library's and the runtime's work only
+    for (size_t start = 0; start < prompt.size(); start += chunk) {
+      size_t end = std::min(prompt.size(), start + static_cast<size_t>(chunk));
+      s.Forward("prefill", std::vector<int32_t>(prompt.begin() + start, prompt.begin() + end), false);
+    }
+    for (int step = 0; step < steps; ++step) s.Forward("decode", {prompt.back()}, false);
+    return 0;
+  }
   for (size_t start = 0; start < prompt.size(); start += chunk) {
     size_t end = std::min(prompt.size(), start + static_cast<size_t>(chunk));
     logits = s.Forward("prefill", std::vector<int32_t>(prompt.begin() + start, prompt.begin() + end));
