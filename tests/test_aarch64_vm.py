@@ -4,11 +4,16 @@ clients/aarch64_vm cross-builds the TVM runtime from the wheel's own sources and
 with it into one static aarch64 program, as an Android app links them; qemu-aarch64 runs it. The slow test
 compares SmolLM2-135M q4f16 (`make build TARGET=android-cpu`) with the host-cpu bundle of the same model and
 quantization run by `pipeline run`'s engine on this machine:
-- 16 greedy ids identical;
-- logits of the prompt and of every decode step within LOGIT_TOLERANCE of the host's largest logit. Both
-  libraries hold the same q4 codes but different kernels: the phone's sdot GEMVs round each activation
-  block to two bytes and sum in int32 / fp32, its fp16 arithmetic fuses multiply-adds (one rounding); x86
-  takes its own path. Measured on 2026-12-06: at most 0.0038 over the prompt and 16 steps (5x margin);
+- teacher forced with the host's 16 greedy ids, the logits of the prompt and of every step within
+  LOGIT_TOLERANCE of the host's largest logit. Both libraries hold the same q4 codes but different kernels:
+  the phone's sdot GEMVs round each activation block to two bytes and sum in int32 / fp32, its fp16
+  arithmetic fuses multiply-adds (one rounding); x86 takes its own path. Measured on 2026-12-06: at most
+  0.0038 of the scale (5x margin);
+- at every step the two argmaxes agree wherever the host's top-1 / top-2 margin exceeds twice that step's
+  largest logit difference (a flip needs the top-1 to fall and the top-2 to rise by the margin together);
+- free running, the 16 greedy ids identical up to the first step that is a near-tie by that rule (SmolLM2
+  on this prompt has one at step 9: margin 0.021 on logits of scale 20, where the two runtimes differ by
+  up to ~0.08; the paths may part there, and only there);
 - 1 and 4 threads (TVM's thread pool, TVM_NUM_THREADS) give bit-identical logits: each output element is
   summed by one thread in a fixed order.
 """
@@ -77,13 +82,20 @@ def test_smollm2_android_cpu_decode_under_qemu_matches_host(build_bundle):
     phone = build_bundle("smollm2-135m", "android-cpu", "q4f16")
     host = build_bundle("smollm2-135m", "host-cpu", "q4f16")
     ids = tokenize(phone, PROMPT)
-    one = decode(phone, ids, STEPS, threads=1)
-    four = decode(phone, ids, STEPS, threads=4)
     ref_ids, ref_logits = host_greedy(host, ids, STEPS)
+    forced = decode(phone, ids, STEPS, threads=1, forced=ref_ids)
+    forced4 = decode(phone, ids, STEPS, threads=4, forced=ref_ids)
+    free = decode(phone, ids, STEPS, threads=1)
 
-    assert one.ids == ref_ids, f"greedy ids differ: qemu {one.ids} host {ref_ids}"
     scale = np.abs(ref_logits).max(axis=1)
-    err = np.abs(one.logits - ref_logits).max(axis=1) / scale
-    print(f"\naarch64 vs host logits: max rel. error per step {np.round(err, 4).tolist()}")
-    assert err.max() <= LOGIT_TOLERANCE
-    assert four.ids == one.ids and np.array_equal(four.logits, one.logits), "4 threads differ from 1"
+    diff = np.abs(forced.logits - ref_logits).max(axis=1)
+    print(f"\naarch64 vs host logits, teacher forced: max rel. error per step {np.round(diff / scale, 4).tolist()}")
+    assert (diff / scale).max() <= LOGIT_TOLERANCE
+    top2 = np.sort(ref_logits, axis=1)[:, -2:]
+    decided = (top2[:, 1] - top2[:, 0]) > 2 * diff          # no flip possible at these steps
+    assert decided[:-1].sum() >= STEPS // 2, "too few clear steps for the check to mean anything"
+    assert [int(np.argmax(row)) for row in forced.logits[:-1][decided[:-1]]] == list(np.asarray(ref_ids)[decided[:-1]])
+    first_tie = next((i for i in range(STEPS) if not decided[i]), STEPS)
+    print(f"free-running greedy ids: qemu {free.ids}, host {ref_ids}; first near-tie at step {first_tie}")
+    assert free.ids[:first_tie] == ref_ids[:first_tie]
+    assert np.array_equal(forced4.logits, forced.logits), "4 threads differ from 1"

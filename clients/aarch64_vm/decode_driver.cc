@@ -4,7 +4,7 @@
  * library, weights read from the bundle's tensor cache. Built for aarch64 by clients/aarch64_vm/build.py and
  * run under qemu-aarch64 by clients/aarch64_vm/run.py.
  *
- *   decode_driver PREFIX BUNDLE IDS STEPS LOGITS OUT_IDS
+ *   decode_driver PREFIX BUNDLE IDS STEPS LOGITS OUT_IDS [FORCED]
  *
  * PREFIX  the library's system-lib prefix        BUNDLE  the bundle folder (tensor-cache.json)
  * IDS     prompt token ids, whitespace separated  STEPS   greedy decode steps after the prompt
@@ -12,6 +12,8 @@
  *         "-": none read back, no argmax, each step fed the prompt's last id (what llama-bench does: the
  *         benchmark counts the library's and the runtime's work, not the caller's sampling)
  * OUT_IDS written: the STEPS greedy ids, one per line
+ * FORCED  ids fed at the decode steps instead of the greedy ones (teacher forcing: logits compared position by
+ *         position with another runtime even where a near-tie makes the two greedy paths part)
  * Like an app runtime, it reads the parameter names, context window, prefill chunk and KV-state kind from
  * the library's `_metadata()`. Threads: TVM_NUM_THREADS, as in an app.
  */
@@ -164,8 +166,8 @@ struct Session {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::fprintf(stderr, "usage: %s PREFIX BUNDLE IDS STEPS LOGITS OUT_IDS\n", argv[0]);
+  if (argc != 7 && argc != 8) {
+    std::fprintf(stderr, "usage: %s PREFIX BUNDLE IDS STEPS LOGITS OUT_IDS [FORCED]\n", argv[0]);
     return 2;
   }
   const std::string prefix = argv[1], bundle = argv[2];
@@ -191,10 +193,17 @@ int main(int argc, char** argv) {
     s.states.push_back(rnn);
   }
 
-  std::vector<int32_t> prompt;
-  {
-    std::ifstream in(ids_path);
-    for (int32_t id; in >> id;) prompt.push_back(id);
+  auto read_ids = [](const char* path) {
+    std::vector<int32_t> ids;
+    std::ifstream in(path);
+    for (int32_t id; in >> id;) ids.push_back(id);
+    return ids;
+  };
+  const std::vector<int32_t> prompt = read_ids(ids_path);
+  const std::vector<int32_t> forced = argc == 8 ? read_ids(argv[7]) : std::vector<int32_t>();
+  if (argc == 8 && static_cast<int>(forced.size()) < steps) {
+    std::fprintf(stderr, "decode_driver: %s has %zu ids for %d steps\n", argv[7], forced.size(), steps);
+    return 2;
   }
   if (prompt.empty()) {
     std::fprintf(stderr, "decode_driver: no token ids in %s\n", ids_path);
@@ -223,7 +232,7 @@ int main(int argc, char** argv) {
   for (int step = 0; step < steps; ++step) {
     int next = Argmax(logits);
     std::fprintf(fids, "%d\n", next);
-    logits = s.Forward("decode", {next});
+    logits = s.Forward("decode", {forced.empty() ? next : forced[step]});
     std::fwrite(logits.data(), sizeof(float), logits.size(), flog);
   }
   std::fclose(flog);

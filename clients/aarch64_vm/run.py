@@ -53,9 +53,10 @@ def tokenize(bundle: Path, prompt: str) -> list[int]:
     return Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(prompt).ids
 
 
-def decode(bundle: Path, ids: list[int], steps: int, threads: int = 1,
+def decode(bundle: Path, ids: list[int], steps: int, threads: int = 1, forced: list[int] | None = None,
            qemu_args: list[str] | None = None, timeout: float = 1800) -> Decoded:
-    """Prefill `ids` and decode `steps` greedy tokens with the bundle's library under qemu-aarch64."""
+    """Prefill `ids` and decode `steps` greedy tokens with the bundle's library under qemu-aarch64; `forced`:
+    feed these ids at the steps instead (teacher forcing; `ids` of the result are still each step's argmax)."""
     import time
     if shutil.which(QEMU) is None:
         raise Missing(f"{QEMU} not found; run `make system-deps` (Debian: apt-get install qemu-user)")
@@ -67,6 +68,9 @@ def decode(bundle: Path, ids: list[int], steps: int, threads: int = 1,
         env = {**os.environ, "TVM_NUM_THREADS": str(threads)}
         cmd = [QEMU, *(qemu_args or []), str(exe), prefix, str(bundle), str(t / "ids.txt"), str(steps),
                str(t / "logits.bin"), str(t / "ids_out.txt")]
+        if forced is not None:
+            (t / "forced.txt").write_text(" ".join(str(i) for i in forced) + "\n")
+            cmd.append(str(t / "forced.txt"))
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         seconds = time.perf_counter() - t0
