@@ -22,6 +22,7 @@ from tvm import te
 from pipeline.compiler.schedule import KernelSchedule
 from pipeline.config import load_target
 from pipeline.kernels.npu import hexagon
+from pipeline.kernels.npu.hvx_int8_matmul import INT8_RULES, PREFILL_RULES
 from pipeline.kernels.npu.hvx_q4_gemv import RULE, q4_gemv
 from pipeline.quant.quantize import dequantize_q4
 from pipeline.verify.qemu_hexagon import HexagonKernels as Kernels
@@ -133,6 +134,7 @@ def test_npu_kernels_under_qemu_match_numpy_or_stop_at_float_hvx(smollm2_build, 
     lib_dir, info, mod = smollm2_build
     rules = {k["name"]: k["rule"] for k in info["kernels"]}
     assert sum(r == RULE for r in rules.values()) == 4, rules   # qkv, o_proj, gate_up, down decode GEMVs
+    assert sum(r == PREFILL_RULES["q4"] for r in rules.values()) == 4, rules   # ... and their prefill matmuls
     objects = library_objects(lib_dir / info["npu_library"], tmp_path / "objects")
     kernels = Kernels(link_harness(objects, tmp_path / "harness"), info["system_lib_prefix"] + "hvx_")
     names = kernels.names()
@@ -144,7 +146,7 @@ def test_npu_kernels_under_qemu_match_numpy_or_stop_at_float_hvx(smollm2_build, 
         try:
             got = kernels.call(name, [a.copy() for a in args])[-1]
         except HexagonRunError as err:
-            assert rules[name] != RULE, f"the integer vrmpy GEMV {name} did not run: {err}"
+            assert rules[name] not in INT8_RULES, f"the integer vrmpy kernel {name} did not run: {err}"
             packet = kernels.diagnose(name, [a.copy() for a in args])
             assert packet is not None, f"{name} stopped for another reason: {err}"
             assert all(FLOAT_HVX.search(i) for i in packet.undecoded), packet
@@ -156,7 +158,7 @@ def test_npu_kernels_under_qemu_match_numpy_or_stop_at_float_hvx(smollm2_build, 
         ran[name] = float(np.abs(got.astype(np.float64) - expected).max() / scale)
     print(f"\nqemu-hexagon: ran {ran}\nstopped at: {json.dumps(stopped, indent=1)}")
     assert len(ran) + len(stopped) == len(names)
-    assert not {n: e for n, e in ran.items() if e > (INT8_TOLERANCE if rules[n] == RULE else FP16_TOLERANCE)}, ran
+    assert not {n: e for n, e in ran.items() if e > (INT8_TOLERANCE if rules[n] in INT8_RULES else FP16_TOLERANCE)}, ran
 
 
 def test_coverage_executed_column_tells_qemu_hexagon_verdict(smollm2_build):
@@ -167,7 +169,7 @@ def test_coverage_executed_column_tells_qemu_hexagon_verdict(smollm2_build):
     assert npu
     for r in npu:
         v = r["executed"]
-        if r["rule"] == RULE:    # the vrmpy decode GEMVs must have run
+        if r["rule"] in INT8_RULES:    # the vrmpy GEMVs and prefill matmuls must have run
             assert v.startswith("executed here (qemu-hexagon, HVX, int8 activations, matches LLVM"), v
             continue
         assert (v.startswith("executed here (qemu-hexagon, HVX, matches LLVM")

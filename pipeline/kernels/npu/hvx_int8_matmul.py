@@ -1,0 +1,253 @@
+"""HVX byte-dot-product kernels for q8 decode GEMVs and q4 / q8 prefill matmuls (KN weights, fp16 activations).
+
+The same integer route as hvx_q4_gemv.py (activations quantized per group of 32 to int8, weights never
+dequantized, fp32 scaling per group and column in scalar Hexagon float, fp16 by bit arithmetic: no soft-float,
+no HVX float, which qemu-hexagon 7.2 cannot decode), extended in two ways:
+
+- q8 codes: a KN row holds one k for 128 columns; `vrmpy` wants four consecutive k of one column in each
+  32-bit lane. Four rows are interleaved in registers (two byte shuffles, then two halfword shuffles:
+  `vshuff(Vu, Vv, Rt)`) into four vectors of 32 columns x 4 k, each multiplied with the splat of four int8
+  activations by `vrmpy(Vu.b, Vv.b)` (signed x signed: q8 has no zero point). A block is 128 columns; when N
+  is not a multiple of 128 the last block starts at N - 128 and recomputes (and rewrites, identically) the
+  columns it shares with the one before.
+- prompt rows: a prefill computes ROWS prompt rows per pass over the weights, so each weight vector loaded
+  (and unpacked or shuffled) feeds ROWS rows' vrmpy. The int8 activations of the whole prompt are made once
+  per call (K bytes + 2 words per group and row: a workspace of activations, never of weights); rows past the
+  prompt's end are zeros and are not stored.
+
+Not multi-threaded: TVM's parallel loops call the runtime's thread pool, which a Hexagon build would get from
+a Hexagon TVM runtime (not in the wheel); one HVX context runs each kernel.
+"""
+
+from __future__ import annotations
+
+from tvm import ir, tirx
+from tvm.script import tirx as T
+
+from pipeline.formats import GROUP, ZERO
+from pipeline.kernels.cpu.packed import substitute
+from pipeline.kernels.cpu.recognize import blocks
+from pipeline.kernels.npu.hvx_q4_gemv import (
+    HAND_WRITTEN,
+    NIBBLES,
+    VRMPY_ACC,
+    f16_bits_to_f32,
+    f32_to_f16_bits,
+)
+from pipeline.kernels.npu.hvx_q4_gemv import RULE as Q4_GEMV_RULE
+
+Q8_GEMV_RULE = "hvx-q8-vrmpy"
+PREFILL_RULES = {"q4": "hvx-q4-prefill-vrmpy", "q8": "hvx-q8-prefill-vrmpy"}
+INT8_RULES = (Q4_GEMV_RULE, Q8_GEMV_RULE, *PREFILL_RULES.values())   # kernels with int8 activations
+ROWS = 4             # prompt rows per pass over the weights (accumulators: ROWS x 4 of the 32 HVX registers for q8)
+LANES = 32           # int32 lanes of one 128-byte HVX vector
+Q8_COLUMNS = 128     # q8: columns of one KN row vector
+Q4_COLUMNS = 32      # q4: columns of one KN code-word vector (8 nibbles each)
+VRMPY_BB_ACC = "llvm.hexagon.V6.vrmpybv.acc.128B"    # Vx.w += vrmpy(Vu.b, Vv.b)
+SHUFFLE_PAIR = "llvm.hexagon.V6.vshuffvdd.128B"      # Vdd = vshuff(Vu, Vv, Rt): interleave Vv / Vu elements of |Rt| bytes
+LOW, HIGH = "llvm.hexagon.V6.lo.128B", "llvm.hexagon.V6.hi.128B"
+
+
+def _load_f16(x, r, i):
+    """x[0, r, i] (fp16) as float32, by bit arithmetic."""
+    return f16_bits_to_f32(T.Cast("int32", T.reinterpret("uint16", x[0, r, i])))
+
+
+def _to_int8(s):
+    """Round half away from zero (|s| <= 127 here) with a truncating conversion, no libm call."""
+    return T.Cast("int32", T.if_then_else(s >= T.float32(0), s + T.float32(0.5), s - T.float32(0.5)))
+
+
+def _vec(value: int):
+    return T.broadcast(T.int32(value), LANES)
+
+
+def _shuffle(u, v, size: int):
+    """The pair interleaving `size`-byte elements of v (even places) and u (odd places)."""
+    return T.call_llvm_pure_intrin("int32x64", SHUFFLE_PAIR, u, v, T.int32(-size))
+
+
+def _half(pair, name: str):
+    return T.call_llvm_pure_intrin("int32x32", name, pair)
+
+
+def _q8_quads(codes, k0, col):
+    """Rows k0 .. k0 + 3 of 128 q8 columns as 4 vectors of 32 columns, lane j of vector c holding the four codes
+    of column col + 32 c + j (byte i: row k0 + i)."""
+    rows = [T.reinterpret("int32x32", codes.vload([k0 + i, col], "int8x128")) for i in range(4)]
+    pair01, pair23 = _shuffle(rows[1], rows[0], 1), _shuffle(rows[3], rows[2], 1)   # (k0, k0+1) per column
+    low = _shuffle(_half(pair23, LOW), _half(pair01, LOW), 2)      # columns 0 .. 63
+    high = _shuffle(_half(pair23, HIGH), _half(pair01, HIGH), 2)   # columns 64 .. 127
+    return [_half(low, LOW), _half(low, HIGH), _half(high, LOW), _half(high, HIGH)]
+
+
+def int8_matmul(fmt: str, k: int, n: int, prompt: bool) -> tirx.PrimFunc:
+    """y[1, m, n] (fp16) = x[1, m, k] (fp16) @ W, W stored KN: q4 codes uint32 [k / 8, n] or q8 codes int8
+    [k, n], fp16 scales [k / 32, n]; m = 1 (decode) or the symbolic prompt length (`prompt`), ROWS rows a pass."""
+    q8 = fmt == "q8"
+    cols = Q8_COLUMNS if q8 else Q4_COLUMNS
+    if fmt not in ("q4", "q8") or k % GROUP or n % LANES or n < cols:
+        raise ValueError(f"{fmt} HVX matmul needs k % {GROUP} == 0, n % {LANES} == 0, n >= {cols}: k={k}, n={n}")
+    groups, vecs = k // GROUP, cols // LANES
+    words = GROUP // 4                    # int8 activation words per group (4 bytes each)
+    rows = ROWS if prompt else 1
+    i64 = T.int64
+    m = tirx.Var("seq_len", "int64") if prompt else i64(1)
+    code_shape, code_dtype = ((i64(k), i64(n)), "int8") if q8 else ((i64(k // 8), i64(n)), "uint32")
+    blocks_n = -(-n // cols)
+
+    @T.prim_func(private=True)
+    def kernel(codes: T.Buffer(code_shape, code_dtype), scales: T.Buffer((i64(groups), i64(n)), "float16"),
+               x: T.Buffer((i64(1), m, i64(k)), "float16"), y: T.Buffer((i64(1), m, i64(n)), "float16")):
+        T.func_attr({"tirx.noalias": True, HAND_WRITTEN: True})
+        padded = T.meta_var((m + rows - 1) // rows * rows)
+        # q8: word w = the int8 activations of k = 4w .. 4w + 3; q4: words 2v / 2v + 1 = those of the even /
+        # odd k of the code word v (k = 8v, 8v + 2, ... / 8v + 1, 8v + 3, ...), as the nibble masks split them
+        xw = T.alloc_buffer((padded, k // 4), "int32")
+        x_scale = T.alloc_buffer((padded, groups), "float32")    # max|x| / 127 x 2^112 (see w_bits)
+        x_base = T.alloc_buffer((padded, groups), "int32")       # q4: -7 x the group's activation sum
+        acc = T.alloc_buffer((rows * cols,), "int32")
+        out = T.alloc_buffer((rows * cols,), "float32")
+        w_bits = T.alloc_buffer((cols,), "int32")
+        lanes = T.alloc_buffer((4 * LANES,), "int32")           # the weight vectors vrmpy takes (registers)
+        amax = T.alloc_buffer((1,), "float32")
+        total = T.alloc_buffer((1,), "int32")
+        for r in range(padded):
+            for g in range(groups):
+                amax[0] = T.float32(0)
+                if r < m:
+                    for i in range(GROUP):
+                        v = T.meta_var(_load_f16(x, r, g * GROUP + i))
+                        amax[0] = T.max(amax[0], T.max(v, -v))
+                inv = T.meta_var(T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0)))
+                total[0] = 0
+                for w in range(words):
+                    xw[r, g * words + w] = 0
+                    for j in range(4):
+                        kk = T.meta_var(g * GROUP + 4 * w + j if q8 else g * GROUP + w // 2 * 8 + w % 2 + 2 * j)
+                        q = T.meta_var(_to_int8(_load_f16(x, T.min(r, m - 1), kk) * inv))
+                        xw[r, g * words + w] = T.bitwise_or(xw[r, g * words + w], T.shift_left(T.bitwise_and(q, 0xFF), 8 * j))
+                        total[0] = total[0] + q
+                x_base[r, g] = T.int32(0) if q8 else total[0] * -ZERO
+                x_scale[r, g] = amax[0] / T.float32(127) * T.float32(2.0 ** 112)
+        for rb in range(padded // rows):
+            for cb in range(blocks_n):
+                col = T.meta_var(T.min(cb * cols, n - cols))
+                for i in range(rows * cols):
+                    out[i] = T.float32(0)
+                for g in range(groups):
+                    for r in T.unroll(rows):
+                        for c in T.unroll(vecs):
+                            acc[T.ramp((r * vecs + c) * LANES, 1, LANES)] = T.broadcast(x_base[rb * rows + r, g], LANES)
+                    if q8:
+                        for quad in range(words):
+                            quads = T.meta_var(_q8_quads(codes, g * GROUP + 4 * quad, col))
+                            lanes[T.ramp(0, 1, LANES)] = quads[0]
+                            lanes[T.ramp(LANES, 1, LANES)] = quads[1]
+                            lanes[T.ramp(2 * LANES, 1, LANES)] = quads[2]
+                            lanes[T.ramp(3 * LANES, 1, LANES)] = quads[3]
+                            for r in T.unroll(rows):
+                                a = T.meta_var(T.broadcast(xw[rb * rows + r, g * words + quad], LANES))
+                                for c in T.unroll(vecs):
+                                    at = T.meta_var((r * vecs + c) * LANES)
+                                    acc[T.ramp(at, 1, LANES)] = T.call_llvm_pure_intrin(
+                                        "int32x32", VRMPY_BB_ACC, acc.vload([at], "int32x32"),
+                                        lanes.vload([c * LANES], "int32x32"), a)
+                    else:
+                        for word in T.unroll(GROUP // 8):
+                            v = T.meta_var(T.reinterpret("int32x32", codes.vload([g * (GROUP // 8) + word, col], "uint32x32")))
+                            lanes[T.ramp(0, 1, LANES)] = T.bitwise_and(v, _vec(NIBBLES))                       # even k
+                            lanes[T.ramp(LANES, 1, LANES)] = T.bitwise_and(T.shift_right(v, _vec(4)), _vec(NIBBLES))   # odd k
+                            for r in T.unroll(rows):
+                                for h in T.unroll(2):
+                                    acc[T.ramp(r * LANES, 1, LANES)] = T.call_llvm_pure_intrin(
+                                        "int32x32", VRMPY_ACC, acc.vload([r * LANES], "int32x32"),
+                                        lanes.vload([h * LANES], "int32x32"), xw[rb * rows + r, g * words + 2 * word + h])
+                    # the group's fp16 scales as fp32 bit patterns of scale x 2^-112 (hvx_q4_gemv.py step 3)
+                    for c in T.unroll(vecs):
+                        h16 = T.meta_var(T.Cast("int32x32", T.reinterpret("uint16x32", scales.vload([g, col + c * LANES], "float16x32"))))
+                        w_bits[T.ramp(c * LANES, 1, LANES)] = T.bitwise_or(
+                            T.shift_left(T.bitwise_and(h16, _vec(0x8000)), _vec(16)),
+                            T.shift_left(T.bitwise_and(h16, _vec(0x7FFF)), _vec(13)))
+                    for r in range(rows):
+                        for j in range(cols):
+                            out[r * cols + j] = out[r * cols + j] + T.Cast("float32", acc[r * cols + j]) * (
+                                T.reinterpret("float32", w_bits[j]) * x_scale[rb * rows + r, g])
+                for r in range(rows):
+                    if rb * rows + r < m:
+                        for j in range(cols):
+                            y[0, rb * rows + r, col + j] = T.reinterpret("float16", T.Cast("uint16", f32_to_f16_bits(out[r * cols + j])))
+
+    return kernel
+
+
+# ------------------------------------------------------------------------------------ recognition
+def _dequant_format(block) -> str | None:
+    """"q4" / "q8" when the block stores the fused TE's fp16 dequantize of KN codes: (float16(nibble) - 7) x
+    scale, or float16(int8 code) x scale."""
+    store = block.body
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Mul) or str(store.value.ty) != "float16":
+        return None
+    code, scale = store.value.a, store.value.b
+    if not isinstance(scale, ir.expr.TensorLoad) or str(scale.ty) != "float16":
+        return None
+    if (isinstance(code, tirx.Sub) and isinstance(code.a, tirx.Cast) and isinstance(code.b, tirx.FloatImm)
+            and float(code.b.value) == float(ZERO)):
+        return "q4"
+    if isinstance(code, tirx.Cast) and isinstance(code.value, ir.expr.TensorLoad) and str(code.value.ty) == "int8":
+        return "q8"
+    return None
+
+
+def match_int8_matmul(func: tirx.PrimFunc) -> tuple[str, int, int, bool, tuple[str, ...]] | None:
+    """(format, K, N, prompt, role of each parameter) when `func` is the build's fused fp16 KN dequantize +
+    matmul of q4 / q8 codes, one token (x [1, 1, K]) or a prompt (x [1, m, K], m symbolic); None otherwise."""
+    found = blocks(func)
+    if len(found) != 2 or found[1].name_hint != "matmul" or len(func.params) != 4:
+        return None
+    fmt = _dequant_format(found[0])
+    out = func.params[-1]
+    if fmt is None or str(out.dtype) != "float16" or len(out.shape) != 3 or not isinstance(out.shape[2], tirx.IntImm):
+        return None
+    rows = out.shape[1]
+    prompt = isinstance(rows, tirx.Var)
+    if not prompt and not (isinstance(rows, tirx.IntImm) and int(rows) == 1):
+        return None
+    n, roles, by_role = int(out.shape[2]), [], {}
+    for p in func.params[:-1]:
+        dims = [int(d) if isinstance(d, tirx.IntImm) else None for d in p.shape]
+        one_row = p.shape[1].same_as(rows) if prompt else dims[1] == 1
+        if str(p.dtype) == "float16" and len(dims) == 3 and one_row:
+            role = "x"
+        elif str(p.dtype) == ("int8" if fmt == "q8" else "uint32") and len(dims) == 2:
+            role = "codes"
+        elif str(p.dtype) == "float16" and len(dims) == 2:
+            role = "scales"
+        else:
+            return None
+        roles.append(role)
+        by_role[role] = dims
+    if sorted(roles) != ["codes", "scales", "x"] or by_role["x"][0] != 1 or by_role["x"][2] is None:
+        return None
+    k = by_role["x"][2]
+    per_word = 1 if fmt == "q8" else 8
+    cols = Q8_COLUMNS if fmt == "q8" else Q4_COLUMNS
+    if (k % GROUP or n % LANES or n < cols or by_role["codes"] != [k // per_word, n]
+            or by_role["scales"] != [k // GROUP, n]):
+        return None
+    return fmt, k, n, prompt, (*roles, "out")
+
+
+def int8_matmul_like(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, str] | None:
+    """(this module's kernel with `func`'s parameter order and attributes, its rule) for a q8 decode GEMV or a
+    q4 / q8 prefill matmul; None otherwise (q4 decode GEMVs: hvx_q4_gemv.py)."""
+    match = match_int8_matmul(func)
+    if match is None:
+        return None
+    fmt, k, n, prompt, order = match
+    if not prompt and fmt == "q4":
+        return None
+    kernel = int8_matmul(fmt, k, n, prompt)
+    rule = PREFILL_RULES[fmt] if prompt else Q8_GEMV_RULE
+    op_class = "dequant-matmul" if prompt else "dequant-gemv"
+    return substitute(func, kernel, order, op_class).with_attr(HAND_WRITTEN, True), rule
