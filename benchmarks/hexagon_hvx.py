@@ -1,7 +1,7 @@
 """The HVX matmuls counted packet by packet under qemu-hexagon (issue #38 item 4).
 
-The android-hexagon build places SmolLM2's KN matmuls on the NPU as vrmpy kernels: q4 decode GEMVs
-(kernels/npu/hvx_q4_gemv.py), q8 decode GEMVs and q4 / q8 prefill matmuls (kernels/npu/hvx_int8_matmul.py).
+The android-hexagon build places SmolLM2's KN matmuls on the NPU as vrmpy kernels (kernels/npu/hvx_int8_matmul.py):
+q4 and q8 decode GEMVs and prefill matmuls.
 Here, for each of these four kinds, each of the four layer shapes (qkv, o_proj, gate_up, down: read from the
 model's config) is built for Hexagon v73 exactly as the build builds it, linked into the freestanding harness
 (pipeline/verify/qemu_hexagon.py), run once on random weights under `qemu-hexagon` with the project's counting
@@ -55,9 +55,8 @@ PROMPT_ROWS = 16     # prompt rows of each prefill measurement (4 passes of the 
 def _kernel(fmt: str, k: int, n: int, prompt: bool):
     """The HVX kernel the android-hexagon build places on the NPU for this fused function."""
     from pipeline.kernels.npu.hvx_int8_matmul import int8_matmul
-    from pipeline.kernels.npu.hvx_q4_gemv import q4_gemv
 
-    return q4_gemv(k, n) if fmt == "q4" and not prompt else int8_matmul(fmt, k, n, prompt)
+    return int8_matmul(fmt, k, n, prompt)
 
 
 def measure(shapes: dict[str, tuple[int, int]], folder: Path, fmt: str = "q4", rows: int = 0,
@@ -123,7 +122,7 @@ def summary(rows: dict[str, dict], layers: int, contexts: int) -> dict:
 
 
 KERNEL_NOTES = {
-    "q4 decode": "kernels/npu/hvx_q4_gemv.py (vrmpy over nibble codes, int8 activations per group of 32)",
+    "q4 decode": "kernels/npu/hvx_int8_matmul.py (vrmpy over nibble codes, int8 activations per group of 32)",
     "q8 decode": "kernels/npu/hvx_int8_matmul.py (4 KN rows shuffled into vrmpy lanes, int8 activations per group of 32)",
     "q4 prefill": "kernels/npu/hvx_int8_matmul.py, 4 prompt rows per pass over the weights",
     "q8 prefill": "kernels/npu/hvx_int8_matmul.py, 4 prompt rows per pass over the weights",

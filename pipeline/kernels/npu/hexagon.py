@@ -31,8 +31,8 @@ from tvm.support import tar
 
 from pipeline.errors import CompileError
 from pipeline.kernels.cpu.schedule import _inline_producers
+from pipeline.kernels.npu.hvx_fp16 import HAND_WRITTEN
 from pipeline.kernels.npu.hvx_int8_matmul import INT8_RULES, int8_matmul_like
-from pipeline.kernels.npu.hvx_q4_gemv import HAND_WRITTEN, RULE, q4_gemv_like
 from pipeline.op_classes import classify
 from pipeline.op_classes import eval_shape as _eval
 
@@ -105,12 +105,8 @@ def hvx_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def hvx_kernel(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, str]:
-    """(the kernel's HVX form, its rule): a hand-written vrmpy kernel for a q4 KN decode GEMV (hvx_q4_gemv.py),
-    a q8 KN decode GEMV or a q4 / q8 KN prefill matmul (hvx_int8_matmul.py), else `hvx_schedule` (rule "hvx").
-    Raises HvxScheduleError like hvx_schedule."""
-    replacement = q4_gemv_like(func)
-    if replacement is not None:
-        return replacement, RULE
+    """(the kernel's HVX form, its rule): the hand-written vrmpy kernel for a q4 / q8 KN decode GEMV or prefill
+    matmul (hvx_int8_matmul.py), else `hvx_schedule` (rule "hvx"). Raises HvxScheduleError like hvx_schedule."""
     int8 = int8_matmul_like(func)
     if int8 is not None:
         return int8

@@ -1,22 +1,35 @@
 """HVX byte-dot-product kernels for q8 decode GEMVs and q4 / q8 prefill matmuls (KN weights, fp16 activations).
 
-The same integer route as hvx_q4_gemv.py (activations quantized per group of 32 to int8, weights never
-dequantized, fp32 scaling per group and column in scalar Hexagon float, fp16 by bit arithmetic: no soft-float,
-no HVX float, which qemu-hexagon 7.2 cannot decode), extended in two ways:
+Activations are quantized per group of 32 to int8 and multiplied with the codes by `vrmpy` byte dot products
+(the approach of llama.cpp's Hexagon backend, written here from the ISA): weights are never dequantized, no
+soft-float, no HVX float (qf32 / hf, which qemu-hexagon 7.2 cannot decode, so every kernel here runs under it).
+
+- q4 codes: a 128-byte vector of KN code words is 32 columns x 8 nibbles; `v & 0x0f0f0f0f` holds the codes of
+  the even k, `(v >> 4) & 0x0f0f0f0f` those of the odd k, and `vrmpy(Vu.ub, Rt.b)` adds four code x activation
+  products per column (Rt: 4 int8 activations); the accumulators start at -7 x the group's activation sum
+  (the codes' zero point).
 
 - q8 codes: a KN row holds one k for 128 columns; `vrmpy` wants four consecutive k of one column in each
-  32-bit lane. Four rows are interleaved in registers (two byte shuffles, then two halfword shuffles:
-  `vshuff(Vu, Vv, Rt)`) into four vectors of 32 columns x 4 k, each multiplied with the splat of four int8
-  activations by `vrmpy(Vu.b, Vv.b)` (signed x signed: q8 has no zero point). A block is 128 columns; when N
-  is not a multiple of 128 the last block starts at N - 128 and recomputes (and rewrites, identically) the
-  columns it shares with the one before.
+  32-bit lane. Four rows are interleaved in registers (a byte, then a halfword `vshuff(Vu, Vv, Rt)`) into four
+  vectors of 32 columns x 4 k, each multiplied with the splat of four int8 activations by `vrmpy(Vu.b, Vv.b)`
+  (signed x signed: q8 has no zero point). A block is 128 columns; when N is not a multiple of 128 the last
+  block starts at N - 128 and recomputes (and rewrites, identically) the columns it shares with the one before.
 - prompt rows: a prefill computes ROWS prompt rows per pass over the weights, so each weight vector loaded
   (and unpacked or shuffled) feeds ROWS rows' vrmpy. The int8 activations of the whole prompt are made once
-  per call (K bytes + 2 words per group and row: a workspace of activations, never of weights); rows past the
+  per call (K bytes + 3 words per group and row: a workspace of activations, never of weights); rows past the
   prompt's end are zeros and are not stored.
+- the scaling is integer HVX too (block floating point): the activation step is rounded to 16 significant bits
+  (step = x_mant x 2^x_exp), a weight scale is exactly an 11-bit signed mantissa x 2^w_exp (fp16); a group's term
+  dot x w_mant x x_mant / 2^16 (`vmpye(Vu.w, Vv.uh)`) is below 2^30 in magnitude, and is shifted right into a per
+  column frame (the largest w_exp + x_exp over the groups, found in a first pass over the scales, less `headroom`
+  bits so that all groups add in int32) and summed; the sum becomes fp16 (nearest even, subnormals, inf) with
+  `vcl0` and shifts. Per group and 32 columns that is about ten HVX instructions where a scalar fp32 epilogue
+  (this project's first q4 GEMV) took about a hundred packets. A group's truncations lose at most one unit of the frame:
+  2^(headroom - 30) of the largest term it holds.
 
-Not multi-threaded: TVM's parallel loops call the runtime's thread pool, which a Hexagon build would get from
-a Hexagon TVM runtime (not in the wheel); one HVX context runs each kernel.
+Still scalar: the activation quantization (K steps per row and call). Not multi-threaded: TVM's parallel loops
+call the runtime's thread pool, which a Hexagon build would get from a Hexagon TVM runtime (not in the wheel);
+one HVX context runs each kernel.
 """
 
 from __future__ import annotations
@@ -27,25 +40,22 @@ from tvm.script import tirx as T
 from pipeline.formats import GROUP, ZERO
 from pipeline.kernels.cpu.packed import substitute
 from pipeline.kernels.cpu.recognize import blocks
-from pipeline.kernels.npu.hvx_q4_gemv import (
-    HAND_WRITTEN,
-    NIBBLES,
-    VRMPY_ACC,
-    f16_bits_to_f32,
-    f32_to_f16_bits,
-)
-from pipeline.kernels.npu.hvx_q4_gemv import RULE as Q4_GEMV_RULE
+from pipeline.kernels.npu.hvx_fp16 import HAND_WRITTEN, f16_bits_to_f32
 
-Q8_GEMV_RULE = "hvx-q8-vrmpy"
+GEMV_RULES = {"q4": "hvx-q4-vrmpy", "q8": "hvx-q8-vrmpy"}
 PREFILL_RULES = {"q4": "hvx-q4-prefill-vrmpy", "q8": "hvx-q8-prefill-vrmpy"}
-INT8_RULES = (Q4_GEMV_RULE, Q8_GEMV_RULE, *PREFILL_RULES.values())   # kernels with int8 activations
+INT8_RULES = (*GEMV_RULES.values(), *PREFILL_RULES.values())   # the placement rules of this module's kernels
 ROWS = 4             # prompt rows per pass over the weights (accumulators: ROWS x 4 of the 32 HVX registers for q8)
 LANES = 32           # int32 lanes of one 128-byte HVX vector
 Q8_COLUMNS = 128     # q8: columns of one KN row vector
 Q4_COLUMNS = 32      # q4: columns of one KN code-word vector (8 nibbles each)
-VRMPY_BB_ACC = "llvm.hexagon.V6.vrmpybv.acc.128B"    # Vx.w += vrmpy(Vu.b, Vv.b)
+VRMPY_ACC = "llvm.hexagon.V6.vrmpybus.acc.128B"     # Vx.w += vrmpy(Vu.ub, Rt.b): q4 codes x 4 activations
+VRMPY_BB_ACC = "llvm.hexagon.V6.vrmpybv.acc.128B"    # Vx.w += vrmpy(Vu.b, Vv.b): q8 codes x splat activations
+NIBBLES = 0x0F0F0F0F
 SHUFFLE_PAIR = "llvm.hexagon.V6.vshuffvdd.128B"      # Vdd = vshuff(Vu, Vv, Rt): interleave Vv / Vu elements of |Rt| bytes
 LOW, HIGH = "llvm.hexagon.V6.lo.128B", "llvm.hexagon.V6.hi.128B"
+SCALE_HIGH = "llvm.hexagon.V6.vmpyewuh.128B"           # Vd.w = (Vu.w x Vv.uh[even]) >> 16
+LEADING_ZEROS = "llvm.hexagon.V6.vcl0w.128B"          # Vd.uw = vcl0(Vu.uw)
 
 
 def _load_f16(x, r, i):
@@ -69,6 +79,35 @@ def _shuffle(u, v, size: int):
 
 def _half(pair, name: str):
     return T.call_llvm_pure_intrin("int32x32", name, pair)
+
+
+def _scale_bits(h):
+    """fp16 scales (float16x32) as their bit patterns in int32 lanes."""
+    return T.Cast("int32x32", T.reinterpret("uint16x32", h))
+
+
+def _scale_exp(h):
+    """The power of two of the lowest mantissa bit of fp16 scales: max(exponent field, 1) - 25."""
+    return T.max(T.bitwise_and(T.shift_right(_scale_bits(h), _vec(10)), _vec(31)), _vec(1)) - _vec(25)
+
+
+def _to_f16_bits(total, exp):
+    """fp16 bits (in int32 lanes) of total x 2^exp, rounded to nearest even, in HVX integer lanes: |total| < 2^31 - 2^30
+    (the headroom), the result's sign from total, inf above the fp16 range, subnormals below it."""
+    neg = T.shift_right(total, _vec(31))                       # 0 or -1
+    mag = T.bitwise_xor(total, neg) - neg
+    top = _vec(31) - T.call_llvm_pure_intrin("int32x32", LEADING_ZEROS, mag)   # the leading bit (-1 for 0)
+    # keep 11 significant bits (normal) or the bits from 2^-24 up (subnormal): shift right by r (left when r < 0)
+    r = T.max(top - _vec(10), _vec(-24) - exp)
+    right, left = T.min(T.max(r, _vec(0)), _vec(31)), T.max(-r, _vec(0))
+    kept = T.shift_right(mag, right)
+    half = T.shift_right(T.shift_left(_vec(1), right), _vec(1))
+    bias = T.bitwise_and(half - _vec(1) + T.bitwise_and(kept, _vec(1)), -T.min(right, _vec(1)))   # ties to even
+    rounded = T.shift_left(T.shift_right(mag + bias, right), left)
+    # a normal's exponent field minus one, plus its 11-bit significand, carries a rounding overflow into the exponent
+    field = T.max(top + exp + _vec(15), _vec(1)) - _vec(1)
+    bits = T.min(T.shift_left(field, _vec(10)) + rounded, _vec(0x7C00))
+    return T.bitwise_or(T.bitwise_and(bits, -T.min(mag, _vec(1))), T.bitwise_and(neg, _vec(0x8000)))
 
 
 def _q8_quads(codes, k0, col):
@@ -96,6 +135,8 @@ def int8_matmul(fmt: str, k: int, n: int, prompt: bool) -> tirx.PrimFunc:
     code_shape, code_dtype = ((i64(k), i64(n)), "int8") if q8 else ((i64(k // 8), i64(n)), "uint32")
     blocks_n = -(-n // cols)
 
+    headroom = max(1, (groups - 1).bit_length())   # bits kept free so that `groups` terms add without overflow
+
     @T.prim_func(private=True)
     def kernel(codes: T.Buffer(code_shape, code_dtype), scales: T.Buffer((i64(groups), i64(n)), "float16"),
                x: T.Buffer((i64(1), m, i64(k)), "float16"), y: T.Buffer((i64(1), m, i64(n)), "float16")):
@@ -104,37 +145,52 @@ def int8_matmul(fmt: str, k: int, n: int, prompt: bool) -> tirx.PrimFunc:
         # q8: word w = the int8 activations of k = 4w .. 4w + 3; q4: words 2v / 2v + 1 = those of the even /
         # odd k of the code word v (k = 8v, 8v + 2, ... / 8v + 1, 8v + 3, ...), as the nibble masks split them
         xw = T.alloc_buffer((padded, k // 4), "int32")
-        x_scale = T.alloc_buffer((padded, groups), "float32")    # max|x| / 127 x 2^112 (see w_bits)
+        x_mant = T.alloc_buffer((padded, groups), "int32")       # activation step = x_mant x 2^x_exp, 16-bit x_mant
+        x_exp = T.alloc_buffer((padded, groups), "int32")
         x_base = T.alloc_buffer((padded, groups), "int32")       # q4: -7 x the group's activation sum
-        acc = T.alloc_buffer((rows * cols,), "int32")
-        out = T.alloc_buffer((rows * cols,), "float32")
-        w_bits = T.alloc_buffer((cols,), "int32")
-        lanes = T.alloc_buffer((4 * LANES,), "int32")           # the weight vectors vrmpy takes (registers)
+        acc = T.alloc_buffer((rows * cols,), "int32")            # a group's dot products
+        total = T.alloc_buffer((rows * cols,), "int32")          # the row's sum, in units of 2^(frame + headroom + 16)
+        frame = T.alloc_buffer((rows * cols,), "int32")          # max over groups of weight + activation exponent
+        w_mant = T.alloc_buffer((cols,), "int32")                # a group's weight scales: signed 11-bit mantissa
+        w_exp = T.alloc_buffer((cols,), "int32")                 # ... and exponent (scale = w_mant x 2^w_exp)
+        lanes = T.alloc_buffer((4 * LANES,), "int32")            # the weight vectors vrmpy takes (registers)
         amax = T.alloc_buffer((1,), "float32")
-        total = T.alloc_buffer((1,), "int32")
+        a_bits = T.alloc_buffer((1,), "int32")
+        q_sum = T.alloc_buffer((1,), "int32")
         for r in range(padded):
             for g in range(groups):
-                amax[0] = T.float32(0)
+                a_bits[0] = 0     # max |x| of the group as fp16 bits (their order is the values' order)
                 if r < m:
                     for i in range(GROUP):
-                        v = T.meta_var(_load_f16(x, r, g * GROUP + i))
-                        amax[0] = T.max(amax[0], T.max(v, -v))
-                inv = T.meta_var(T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0)))
-                total[0] = 0
+                        a_bits[0] = T.max(a_bits[0], T.bitwise_and(T.Cast("int32", T.reinterpret("uint16", x[0, r, g * GROUP + i])), 0x7FFF))
+                amax[0] = f16_bits_to_f32(a_bits[0])
+                bits = T.meta_var(T.reinterpret("int32", amax[0] / T.float32(127)))
+                step = T.meta_var(T.reinterpret("float32", T.bitwise_and(bits, -256)))   # 16 significant bits
+                inv = T.meta_var(T.if_then_else(amax[0] > T.float32(0), T.float32(1) / step, T.float32(0)))
+                x_mant[r, g] = T.if_then_else(amax[0] > T.float32(0),
+                                              T.shift_right(T.bitwise_or(T.bitwise_and(bits, 0x7FFFFF), 0x800000), 8), 0)
+                x_exp[r, g] = T.bitwise_and(T.shift_right(bits, 23), 0xFF) - 142   # - 127 - 15
+                q_sum[0] = 0
                 for w in range(words):
                     xw[r, g * words + w] = 0
                     for j in range(4):
                         kk = T.meta_var(g * GROUP + 4 * w + j if q8 else g * GROUP + w // 2 * 8 + w % 2 + 2 * j)
-                        q = T.meta_var(_to_int8(_load_f16(x, T.min(r, m - 1), kk) * inv))
+                        q = T.meta_var(T.max(T.min(_to_int8(_load_f16(x, T.min(r, m - 1), kk) * inv), 127), -127))
                         xw[r, g * words + w] = T.bitwise_or(xw[r, g * words + w], T.shift_left(T.bitwise_and(q, 0xFF), 8 * j))
-                        total[0] = total[0] + q
-                x_base[r, g] = T.int32(0) if q8 else total[0] * -ZERO
-                x_scale[r, g] = amax[0] / T.float32(127) * T.float32(2.0 ** 112)
+                        q_sum[0] = q_sum[0] + q
+                x_base[r, g] = T.int32(0) if q8 else q_sum[0] * -ZERO
         for rb in range(padded // rows):
             for cb in range(blocks_n):
                 col = T.meta_var(T.min(cb * cols, n - cols))
-                for i in range(rows * cols):
-                    out[i] = T.float32(0)
+                for i in T.unroll(rows * vecs):
+                    frame[T.ramp(i * LANES, 1, LANES)] = _vec(-(1 << 20))
+                    total[T.ramp(i * LANES, 1, LANES)] = _vec(0)
+                for g in range(groups):     # the frame: every group's term is then a right shift away
+                    for c in T.unroll(vecs):
+                        e = T.meta_var(_scale_exp(scales.vload([g, col + c * LANES], "float16x32")))
+                        for r in T.unroll(rows):
+                            at = T.meta_var(T.ramp((r * vecs + c) * LANES, 1, LANES))
+                            frame[at] = T.max(frame[at], e + T.broadcast(x_exp[rb * rows + r, g], LANES))
                 for g in range(groups):
                     for r in T.unroll(rows):
                         for c in T.unroll(vecs):
@@ -163,20 +219,31 @@ def int8_matmul(fmt: str, k: int, n: int, prompt: bool) -> tirx.PrimFunc:
                                     acc[T.ramp(r * LANES, 1, LANES)] = T.call_llvm_pure_intrin(
                                         "int32x32", VRMPY_ACC, acc.vload([r * LANES], "int32x32"),
                                         lanes.vload([h * LANES], "int32x32"), xw[rb * rows + r, g * words + 2 * word + h])
-                    # the group's fp16 scales as fp32 bit patterns of scale x 2^-112 (hvx_q4_gemv.py step 3)
                     for c in T.unroll(vecs):
-                        h16 = T.meta_var(T.Cast("int32x32", T.reinterpret("uint16x32", scales.vload([g, col + c * LANES], "float16x32"))))
-                        w_bits[T.ramp(c * LANES, 1, LANES)] = T.bitwise_or(
-                            T.shift_left(T.bitwise_and(h16, _vec(0x8000)), _vec(16)),
-                            T.shift_left(T.bitwise_and(h16, _vec(0x7FFF)), _vec(13)))
-                    for r in range(rows):
-                        for j in range(cols):
-                            out[r * cols + j] = out[r * cols + j] + T.Cast("float32", acc[r * cols + j]) * (
-                                T.reinterpret("float32", w_bits[j]) * x_scale[rb * rows + r, g])
+                        h16 = T.meta_var(_scale_bits(scales.vload([g, col + c * LANES], "float16x32")))
+                        e5 = T.meta_var(T.bitwise_and(T.shift_right(h16, _vec(10)), _vec(31)))
+                        mant = T.meta_var(T.bitwise_or(T.bitwise_and(h16, _vec(1023)), T.shift_left(T.min(e5, _vec(1)), _vec(10))))
+                        neg = T.meta_var(T.shift_right(T.shift_left(h16, _vec(16)), _vec(31)))   # 0 or -1: the sign
+                        w_mant[T.ramp(c * LANES, 1, LANES)] = T.bitwise_xor(mant, neg) - neg
+                        w_exp[T.ramp(c * LANES, 1, LANES)] = T.max(e5, _vec(1)) - _vec(25)
+                    # term = (dot x weight mantissa) x activation mantissa / 2^16, < 2^30 in magnitude, in units of
+                    # 2^(weight exp + activation exp + 16); shifted into the frame and added
+                    for r in T.unroll(rows):
+                        for c in T.unroll(vecs):
+                            at = T.meta_var((r * vecs + c) * LANES)
+                            term = T.meta_var(T.call_llvm_pure_intrin(
+                                "int32x32", SCALE_HIGH, acc.vload([at], "int32x32") * w_mant.vload([c * LANES], "int32x32"),
+                                T.broadcast(x_mant[rb * rows + r, g], LANES)))
+                            shift = T.meta_var(T.min(frame.vload([at], "int32x32") - w_exp.vload([c * LANES], "int32x32")
+                                                     - T.broadcast(x_exp[rb * rows + r, g] - headroom, LANES), _vec(31)))
+                            total[T.ramp(at, 1, LANES)] = total.vload([at], "int32x32") + T.shift_right(term, shift)
                 for r in range(rows):
                     if rb * rows + r < m:
-                        for j in range(cols):
-                            y[0, rb * rows + r, col + j] = T.reinterpret("float16", T.Cast("uint16", f32_to_f16_bits(out[r * cols + j])))
+                        for c in T.unroll(vecs):
+                            at = T.meta_var((r * vecs + c) * LANES)
+                            y[0, rb * rows + r, T.ramp(col + c * LANES, 1, LANES)] = T.reinterpret("float16x32", T.Cast(
+                                "uint16x32", _to_f16_bits(total.vload([at], "int32x32"),
+                                                          frame.vload([at], "int32x32") + _vec(headroom + 16))))
 
     return kernel
 
@@ -239,15 +306,13 @@ def match_int8_matmul(func: tirx.PrimFunc) -> tuple[str, int, int, bool, tuple[s
 
 
 def int8_matmul_like(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, str] | None:
-    """(this module's kernel with `func`'s parameter order and attributes, its rule) for a q8 decode GEMV or a
-    q4 / q8 prefill matmul; None otherwise (q4 decode GEMVs: hvx_q4_gemv.py)."""
+    """(this module's kernel with `func`'s parameter order and attributes, its rule) for a q4 / q8 decode GEMV or
+    prefill matmul; None otherwise."""
     match = match_int8_matmul(func)
     if match is None:
         return None
     fmt, k, n, prompt, order = match
-    if not prompt and fmt == "q4":
-        return None
     kernel = int8_matmul(fmt, k, n, prompt)
-    rule = PREFILL_RULES[fmt] if prompt else Q8_GEMV_RULE
+    rule = (PREFILL_RULES if prompt else GEMV_RULES)[fmt]
     op_class = "dequant-matmul" if prompt else "dequant-gemv"
     return substitute(func, kernel, order, op_class).with_attr(HAND_WRITTEN, True), rule
