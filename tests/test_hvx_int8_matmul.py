@@ -34,7 +34,7 @@ def _int_weights(fmt: str, codes: np.ndarray) -> np.ndarray:
 
 def _model(fmt: str, codes, scales, x):
     """The kernels' arithmetic in numpy, bit for bit, per prompt row: int8 activations per group of 32 with a step of
-    16 significant bits, exact integer dot products, then each group's term (dot x 11-bit weight-scale mantissa x
+    16 significant bits (by a 30-bit reciprocal and a rounding shift), exact integer dot products, then each group's term (dot x 11-bit weight-scale mantissa x
     16-bit step mantissa / 2^16) shifted into a per-column frame (the largest weight + step exponent) and summed in
     int32; one conversion to fp32 and to fp16 (nearest even) at the end."""
     w = _int_weights(fmt, codes)
@@ -46,16 +46,17 @@ def _model(fmt: str, codes, scales, x):
     w_exp = np.maximum(e5, 1) - 25
     rows = []
     for xr in x.reshape(-1, x.shape[-1]):
-        xg = xr.reshape(-1, 32).astype(np.float32)
-        amax = np.abs(xg).max(1)
+        hx = xr.view(np.uint16).astype(np.int64).reshape(-1, 32)
+        amax = np.abs(xr.reshape(-1, 32).astype(np.float32)).max(1)
         bits = (amax / np.float32(127)).astype(np.float32).view(np.int32).astype(np.int64)
-        step = (bits & -256).astype(np.int32).view(np.float32)
-        with np.errstate(divide="ignore"):
-            inv = np.where(amax > 0, np.float32(1) / step, np.float32(0)).astype(np.float32)
-        s = xg * inv[:, None]
-        q = np.clip(np.trunc(np.where(s >= 0, s + np.float32(0.5), s - np.float32(0.5))), -127, 127).astype(np.int64)
         x_mant = np.where(amax > 0, ((bits & 0x7FFFFF) | 0x800000) >> 8, 0)
         x_exp = ((bits >> 23) & 0xFF) - 142
+        with np.errstate(divide="ignore"):
+            recip = np.where(x_mant > 0, np.float32(2.0**45) / x_mant.astype(np.float32), 0).astype(np.int64)
+        e = (hx >> 10) & 31
+        scaled = (recip[:, None] * ((hx & 1023) | (np.minimum(e, 1) << 10))) >> 16
+        shift = np.clip(x_exp[:, None] + 54 - np.maximum(e, 1), 1, 31)
+        q = np.minimum((scaled + (1 << (shift - 1))) >> shift, 127) * np.where(hx & 0x8000, -1, 1)
         dots = np.einsum("gik,gi->gk", w.reshape(groups, 32, -1), q)
         term = (dots * w_mant * x_mant[:, None]) >> 16
         exps = w_exp + x_exp[:, None]

@@ -1,4 +1,4 @@
-"""HVX byte-dot-product kernels for q8 decode GEMVs and q4 / q8 prefill matmuls (KN weights, fp16 activations).
+"""HVX byte-dot-product kernels for the q4 / q8 decode GEMVs and prefill matmuls (KN weights, fp16 activations).
 
 Activations are quantized per group of 32 to int8 and multiplied with the codes by `vrmpy` byte dot products
 (the approach of llama.cpp's Hexagon backend, written here from the ISA): weights are never dequantized, no
@@ -8,7 +8,6 @@ soft-float, no HVX float (qf32 / hf, which qemu-hexagon 7.2 cannot decode, so ev
   the even k, `(v >> 4) & 0x0f0f0f0f` those of the odd k, and `vrmpy(Vu.ub, Rt.b)` adds four code x activation
   products per column (Rt: 4 int8 activations); the accumulators start at -7 x the group's activation sum
   (the codes' zero point).
-
 - q8 codes: a KN row holds one k for 128 columns; `vrmpy` wants four consecutive k of one column in each
   32-bit lane. Four rows are interleaved in registers (a byte, then a halfword `vshuff(Vu, Vv, Rt)`) into four
   vectors of 32 columns x 4 k, each multiplied with the splat of four int8 activations by `vrmpy(Vu.b, Vv.b)`
@@ -27,7 +26,9 @@ soft-float, no HVX float (qf32 / hf, which qemu-hexagon 7.2 cannot decode, so ev
   (this project's first q4 GEMV) took about a hundred packets. A group's truncations lose at most one unit of the frame:
   2^(headroom - 30) of the largest term it holds.
 
-Still scalar: the activation quantization (K steps per row and call). Not multi-threaded: TVM's parallel loops
+The activations' int8 steps are integer HVX as well (`_quantize`: a 30-bit reciprocal of the step's mantissa,
+`vmpye` and a rounding shift per lane); still scalar per activation: the max |x| of each group (an integer max
+of fp16 bit patterns) and packing the steps into the words vrmpy reads. Not multi-threaded: TVM's parallel loops
 call the runtime's thread pool, which a Hexagon build would get from a Hexagon TVM runtime (not in the wheel);
 one HVX context runs each kernel.
 """
@@ -110,6 +111,19 @@ def _to_f16_bits(total, exp):
     return T.bitwise_or(T.bitwise_and(bits, -T.min(mag, _vec(1))), T.bitwise_and(neg, _vec(0x8000)))
 
 
+def _quantize(h, recip, x_exp):
+    """A group's 32 fp16 activations (bits in int32 lanes) as int8 steps of x_mant x 2^x_exp, rounded half away
+    from zero, in HVX integer lanes: |x| = m x 2^e (11-bit m), q = m x recip / 2^16 (`vmpye`) shifted right by
+    x_exp + 29 - e with rounding, recip = 2^45 / x_mant."""
+    e5 = T.bitwise_and(T.shift_right(h, _vec(10)), _vec(31))
+    mant = T.bitwise_or(T.bitwise_and(h, _vec(1023)), T.shift_left(T.min(e5, _vec(1)), _vec(10)))
+    scaled = T.call_llvm_pure_intrin("int32x32", SCALE_HIGH, T.broadcast(recip, LANES), mant)
+    shift = T.max(T.min(T.broadcast(x_exp + 54, LANES) - T.max(e5, _vec(1)), _vec(31)), _vec(1))
+    magnitude = T.min(T.shift_right(scaled + T.shift_left(_vec(1), shift - _vec(1)), shift), _vec(127))
+    neg = T.shift_right(T.shift_left(h, _vec(16)), _vec(31))
+    return T.bitwise_xor(magnitude, neg) - neg
+
+
 def _q8_quads(codes, k0, col):
     """Rows k0 .. k0 + 3 of 128 q8 columns as 4 vectors of 32 columns, lane j of vector c holding the four codes
     of column col + 32 c + j (byte i: row k0 + i)."""
@@ -156,6 +170,8 @@ def int8_matmul(fmt: str, k: int, n: int, prompt: bool) -> tirx.PrimFunc:
         lanes = T.alloc_buffer((4 * LANES,), "int32")            # the weight vectors vrmpy takes (registers)
         amax = T.alloc_buffer((1,), "float32")
         a_bits = T.alloc_buffer((1,), "int32")
+        recip = T.alloc_buffer((1,), "int32")                    # 2^45 / x_mant, for the activations' int8 steps
+        q_lanes = T.alloc_buffer((LANES,), "int32")              # a group's int8 activations
         q_sum = T.alloc_buffer((1,), "int32")
         for r in range(padded):
             for g in range(groups):
@@ -165,19 +181,19 @@ def int8_matmul(fmt: str, k: int, n: int, prompt: bool) -> tirx.PrimFunc:
                         a_bits[0] = T.max(a_bits[0], T.bitwise_and(T.Cast("int32", T.reinterpret("uint16", x[0, r, g * GROUP + i])), 0x7FFF))
                 amax[0] = f16_bits_to_f32(a_bits[0])
                 bits = T.meta_var(T.reinterpret("int32", amax[0] / T.float32(127)))
-                step = T.meta_var(T.reinterpret("float32", T.bitwise_and(bits, -256)))   # 16 significant bits
-                inv = T.meta_var(T.if_then_else(amax[0] > T.float32(0), T.float32(1) / step, T.float32(0)))
                 x_mant[r, g] = T.if_then_else(amax[0] > T.float32(0),
                                               T.shift_right(T.bitwise_or(T.bitwise_and(bits, 0x7FFFFF), 0x800000), 8), 0)
                 x_exp[r, g] = T.bitwise_and(T.shift_right(bits, 23), 0xFF) - 142   # - 127 - 15
+                recip[0] = T.if_then_else(x_mant[r, g] > 0, T.Cast("int32", T.float32(2.0 ** 45) / T.Cast("float32", x_mant[r, g])), 0)
+                q_lanes[T.ramp(0, 1, LANES)] = _quantize(_scale_bits(x.vload([0, T.min(r, m - 1), g * GROUP], "float16x32")),
+                                                         recip[0], x_exp[r, g])
                 q_sum[0] = 0
                 for w in range(words):
                     xw[r, g * words + w] = 0
                     for j in range(4):
-                        kk = T.meta_var(g * GROUP + 4 * w + j if q8 else g * GROUP + w // 2 * 8 + w % 2 + 2 * j)
-                        q = T.meta_var(T.max(T.min(_to_int8(_load_f16(x, T.min(r, m - 1), kk) * inv), 127), -127))
-                        xw[r, g * words + w] = T.bitwise_or(xw[r, g * words + w], T.shift_left(T.bitwise_and(q, 0xFF), 8 * j))
-                        q_sum[0] = q_sum[0] + q
+                        kk = T.meta_var(4 * w + j if q8 else w // 2 * 8 + w % 2 + 2 * j)
+                        xw[r, g * words + w] = T.bitwise_or(xw[r, g * words + w], T.shift_left(T.bitwise_and(q_lanes[kk], 0xFF), 8 * j))
+                        q_sum[0] = q_sum[0] + q_lanes[kk]
                 x_base[r, g] = T.int32(0) if q8 else q_sum[0] * -ZERO
         for rb in range(padded // rows):
             for cb in range(blocks_n):
