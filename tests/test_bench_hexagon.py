@@ -22,5 +22,16 @@ def test_counts_one_gemv(tmp_path):
     assert r["load_bytes"] >= r["weight_bytes"]                  # every code word and scale is read
     s = hexagon_hvx.summary(rows, layers=2, contexts=4)
     assert s["packets_per_token"] == 2 * r["packets"] and s["prediction"]["gemv_ms_per_token"] > 0
-    assert "PREDICTION" in hexagon_hvx.markdown({"date": "d", "commit": "c", "model": "m", "kernels": rows,
-                                                 "per_token": s})
+    assert "PREDICTION" in hexagon_hvx.markdown({"date": "d", "commit": "c", "model": "m",
+                                                 "kinds": {"q4 decode": {"kernels": rows, "per_token": s}}})
+
+
+def test_counts_q8_prefill_per_row(tmp_path):
+    """A q8 prefill of 5 prompt rows (one full pass of 4 and a partial one): checked against numpy, counted per
+    weight and row."""
+    rows = hexagon_hvx.measure({"small": (64, 128)}, tmp_path, "q8", rows=5)
+    r = rows["small"]
+    assert r["rel_err_vs_numpy"] < 2e-2 and r["rows"] == 5
+    assert 0 < r["hvx_packets"] < r["packets"] and r["packets_per_weight"] == r["packets"] / (r["weights"] * 5)
+    s = hexagon_hvx.summary(rows, layers=2, contexts=4)
+    assert s["packets_per_token"] == 2 * r["packets"] / 5

@@ -2,7 +2,8 @@
 
 What runs: integer HVX (128-byte vectors: vmem, valign, vector add / multiply, vrmpy) — checked here exactly
 against numpy on kernels the HVX schedule vectorizes for the android-hexagon NPU target (v73), and the q4 KN
-decode GEMV written with vrmpy (kernels/npu/hvx_q4_gemv.py) against a numpy model of its arithmetic. What does
+decode GEMVs and prefill matmuls written with vrmpy (kernels/npu/hvx_int8_matmul.py; tests/test_hvx_int8_matmul.py
+checks them against a bit-exact numpy model) as the build places them. What does
 not: qemu-hexagon 7.2's decoder has no HVX float instructions (v68+ `hf` / `qf16` / `qf32` / `sf`); the kernels
 of the generic HVX schedule use them, and qemu aborts translating the first such packet ("decode_packet:
 assertion failed: (new_insns > 0)", qemu killed by SIGSEGV). Those kernels must stop exactly there: `diagnose`
@@ -22,7 +23,7 @@ from tvm import te
 from pipeline.compiler.schedule import KernelSchedule
 from pipeline.config import load_target
 from pipeline.kernels.npu import hexagon
-from pipeline.kernels.npu.hvx_q4_gemv import RULE, q4_gemv
+from pipeline.kernels.npu.hvx_int8_matmul import GEMV_RULES, INT8_RULES, PREFILL_RULES
 from pipeline.quant.quantize import dequantize_q4
 from pipeline.verify.qemu_hexagon import HexagonKernels as Kernels
 from pipeline.verify.qemu_hexagon import (
@@ -132,7 +133,8 @@ def test_npu_kernels_under_qemu_match_numpy_or_stop_at_float_hvx(smollm2_build, 
     holding an HVX float instruction its decoder lacks (the exact packet is named) — nothing else."""
     lib_dir, info, mod = smollm2_build
     rules = {k["name"]: k["rule"] for k in info["kernels"]}
-    assert sum(r == RULE for r in rules.values()) == 4, rules   # qkv, o_proj, gate_up, down decode GEMVs
+    assert sum(r == GEMV_RULES["q4"] for r in rules.values()) == 4, rules   # qkv, o_proj, gate_up, down decode GEMVs
+    assert sum(r == PREFILL_RULES["q4"] for r in rules.values()) == 4, rules   # ... and their prefill matmuls
     objects = library_objects(lib_dir / info["npu_library"], tmp_path / "objects")
     kernels = Kernels(link_harness(objects, tmp_path / "harness"), info["system_lib_prefix"] + "hvx_")
     names = kernels.names()
@@ -144,7 +146,7 @@ def test_npu_kernels_under_qemu_match_numpy_or_stop_at_float_hvx(smollm2_build, 
         try:
             got = kernels.call(name, [a.copy() for a in args])[-1]
         except HexagonRunError as err:
-            assert rules[name] != RULE, f"the integer vrmpy GEMV {name} did not run: {err}"
+            assert rules[name] not in INT8_RULES, f"the integer vrmpy kernel {name} did not run: {err}"
             packet = kernels.diagnose(name, [a.copy() for a in args])
             assert packet is not None, f"{name} stopped for another reason: {err}"
             assert all(FLOAT_HVX.search(i) for i in packet.undecoded), packet
@@ -156,7 +158,7 @@ def test_npu_kernels_under_qemu_match_numpy_or_stop_at_float_hvx(smollm2_build, 
         ran[name] = float(np.abs(got.astype(np.float64) - expected).max() / scale)
     print(f"\nqemu-hexagon: ran {ran}\nstopped at: {json.dumps(stopped, indent=1)}")
     assert len(ran) + len(stopped) == len(names)
-    assert not {n: e for n, e in ran.items() if e > (INT8_TOLERANCE if rules[n] == RULE else FP16_TOLERANCE)}, ran
+    assert not {n: e for n, e in ran.items() if e > (INT8_TOLERANCE if rules[n] in INT8_RULES else FP16_TOLERANCE)}, ran
 
 
 def test_coverage_executed_column_tells_qemu_hexagon_verdict(smollm2_build):
@@ -167,7 +169,7 @@ def test_coverage_executed_column_tells_qemu_hexagon_verdict(smollm2_build):
     assert npu
     for r in npu:
         v = r["executed"]
-        if r["rule"] == RULE:    # the vrmpy decode GEMVs must have run
+        if r["rule"] in INT8_RULES:    # the vrmpy GEMVs and prefill matmuls must have run
             assert v.startswith("executed here (qemu-hexagon, HVX, int8 activations, matches LLVM"), v
             continue
         assert (v.startswith("executed here (qemu-hexagon, HVX, matches LLVM")
@@ -177,89 +179,22 @@ def test_coverage_executed_column_tells_qemu_hexagon_verdict(smollm2_build):
     assert "qemu-hexagon" in report["summary"]["execution"]["how"]
 
 
-# ------------------------------------------------------------------ the vrmpy q4 GEMV (kernels/npu/hvx_q4_gemv.py)
-def _nibbles(codes: np.ndarray) -> np.ndarray:
-    """KN uint32 codes [K / 8, N] -> integer codes [K, N]."""
-    shifts = (np.arange(8, dtype=np.uint32) * 4)[None, :, None]
-    return ((codes[:, None, :] >> shifts) & np.uint32(15)).reshape(-1, codes.shape[1]).astype(np.int64)
-
-
-def _vrmpy_model(codes, scales, x):
-    """The kernel's arithmetic in numpy: int8 activations per group of 32 (float32 steps as the kernel takes
-    them), exact integer dot products, fp32 scaling per group in group order."""
-    xg = x.reshape(-1, 32).astype(np.float32)
-    amax = np.abs(xg).max(1)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    s = xg * inv[:, None]
-    q = np.trunc(np.where(s >= 0, s + np.float32(0.5), s - np.float32(0.5))).astype(np.int64)
-    x_scale = amax / np.float32(127)
-    dots = np.einsum("gik,gi->gk", _nibbles(codes).reshape(len(q), 32, -1), q) - 7 * q.sum(1)[:, None]
-    out = np.zeros(codes.shape[1], np.float32)
-    for g in range(len(q)):
-        out = out + dots[g].astype(np.float32) * (scales[g].astype(np.float32) * x_scale[g])
-    return out
-
-
-def test_vrmpy_q4_gemv_matches_numpy(tmp_path):
-    """The q4 decode GEMV at SmolLM2's four shapes: within one fp16 ulp of a numpy model of its arithmetic
-    (the fp32 steps may fuse into one FMA on Hexagon), within 2e-2 of the exact product; its object has vrmpy,
-    no soft-float fp16 calls and no workspace."""
-    from pipeline.quant.quantize import quantize_q4
-
-    shapes = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
-    funcs = {name: q4_gemv(k, n) for name, (k, n) in shapes.items()}
-    kernels = hexagon_kernels(tvm.IRModule(funcs), [KernelSchedule(n, RULE, True) for n in funcs], NPU, tmp_path)
-    dis = hexagon._disassemble(hexagon.find_objdump() or "llvm-objdump", tmp_path / "objects" / "lib0.o",
-                               "hexagonv73", ["+hvxv73", "+hvx-length128b"])
-    assert dis.count("vrmpy(") == 8 * len(funcs), "8 vrmpy per group and 32 columns, per kernel"
-    assert not re.search(r"call .*(__extendhfsf2|__truncsfhf2)|TVMBackendAllocWorkspace", dis)
-    rng = np.random.default_rng(0)
-    for name, (k, n) in shapes.items():
-        codes, scales = quantize_q4((rng.standard_normal((n, k)) * 0.05).astype(np.float32), "KN")
-        scales[:, :4] = [6e-8, 3.5e-6, 0, 6.1e-5]   # whole columns from fp16 subnormals, zero, the smallest normal
-        scales[2, 4] = -scales[2, 4]                 # the sign bit
-        x = rng.standard_normal((1, 1, k)).astype(np.float16)
-        x[0, 0, 32:64] = 0                          # a group of zeros: scale 0
-        x[0, 0, 64:70] = [1e-6, -3e-6, 6e-5, 900, -2000, 0.5]   # fp16 subnormals and large values
-        got = kernels.call(name, [codes, scales, x, np.zeros((1, 1, n), np.float16)])[-1][0, 0]
-        model = _vrmpy_model(codes, scales, x[0, 0]).astype(np.float16)
-        ulps = np.abs(got.astype(np.float64) - model) / np.spacing(np.abs(model)).astype(np.float64)
-        assert ulps.max() <= 1, (name, ulps.max())
-        exact = x[0, 0].astype(np.float64) @ dequantize_q4(codes, scales, "KN").astype(np.float64).T
-        assert np.abs(got - exact).max() / np.abs(exact).max() < INT8_TOLERANCE, name
-
-
-def test_fp16_bit_conversions_match_numpy():
-    """The kernel's fp16 <-> fp32 conversions by integer arithmetic (no soft-float calls), on this CPU:
-    every fp16 value exactly, and fp32 -> fp16 ties to even, subnormals, overflow, inf and NaN."""
+# ------------------------------------------------------------------ fp16 by bit arithmetic (kernels/npu/hvx_fp16.py)
+def test_fp16_bit_conversion_matches_numpy():
+    """The kernels' fp16 -> fp32 conversion by integer arithmetic (no soft-float call), on this CPU: every fp16
+    value exactly."""
     from tvm.script import tirx as T
 
-    from pipeline.kernels.npu.hvx_q4_gemv import f16_bits_to_f32, f32_to_f16_bits
+    from pipeline.kernels.npu.hvx_fp16 import f16_bits_to_f32
 
     @T.prim_func
-    def convert(h: T.Buffer((65536,), "int32"), wide: T.Buffer((65536,), "float32"),
-                f: T.Buffer((4096,), "float32"), narrow: T.Buffer((4096,), "int32")):
+    def convert(h: T.Buffer((65536,), "int32"), wide: T.Buffer((65536,), "float32")):
         for i in range(65536):
             wide[i] = f16_bits_to_f32(h[i])
-        for i in range(4096):
-            narrow[i] = f32_to_f16_bits(f[i])
 
     lib = tvm.compile(tvm.IRModule({"main": convert}), target=tvm.target.Target({"kind": "llvm"}))
     h = np.arange(65536, dtype=np.int32)
-    rng = np.random.default_rng(1)
-    f = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.integers(-9, 6, 1000),
-                        np.float16(rng.standard_normal(1000)).astype(np.float32) * (1 + 2.0 ** -11),   # ties
-                        np.float32([0, -0.0, 65504, 65519, 65520, 1e9, -1e9, np.inf, -np.inf, np.nan, 6e-8, 2.9e-8,
-                                    3e-8, 5.96e-8 * 1.5])]).astype(np.float32)
-    f = np.resize(f, 4096)
     wide = tvm.runtime.tensor(np.zeros(65536, np.float32))
-    narrow = tvm.runtime.tensor(np.zeros(4096, np.int32))
-    lib["main"](tvm.runtime.tensor(h), wide, tvm.runtime.tensor(f), narrow)
+    lib["main"](tvm.runtime.tensor(h), wide)
     expect = h.astype(np.uint16).view(np.float16).astype(np.float32)
     np.testing.assert_array_equal(wide.numpy().view(np.int32), expect.view(np.int32))
-    with np.errstate(over="ignore"):
-        expect16 = f.astype(np.float16).view(np.uint16).astype(np.int32)
-    got16 = narrow.numpy()
-    nan = np.isnan(f)
-    np.testing.assert_array_equal(got16[~nan], expect16[~nan])
-    assert np.isnan(got16[nan].astype(np.uint16).view(np.float16)).all()

@@ -35,7 +35,7 @@ from pipeline.compiler.fuse import fusion_passes
 from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ROOT, load_target
 from pipeline.kernels.cpu import rope as cpu_rope
-from pipeline.kernels.npu.hvx_q4_gemv import RULE as HVX_INT8_RULE
+from pipeline.kernels.npu.hvx_int8_matmul import INT8_RULES as HVX_INT8_RULES
 from pipeline.models import model_class
 from pipeline.models.layers import LayerFactory
 from pipeline.verify import opencl as verify_opencl
@@ -49,7 +49,7 @@ KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_
              "fused_rope")
 TOLERANCE = 1e-4          # of the output's largest magnitude
 HVX_FP16_TOLERANCE = 8 * 2.0 ** -10   # fp16 outputs (HVX qf16 rounds differently from LLVM's x86 fp16 code)
-INT8_ACTIVATION_TOLERANCE = 2e-2      # GEMVs that quantize activations to int8 per 32 (kernels/npu/hvx_q4_gemv.py)
+INT8_ACTIVATION_TOLERANCE = 2e-2      # matmuls that quantize activations to int8 per 32 (kernels/npu/hvx_*.py)
 SEQ_LEN = 5               # the symbolic seq_len of prefill kernels
 MAX_ARG_BYTES = 256 * 2**20   # bigger kernels (a 27B model's vocab GEMV) are only compiled: RAM and time
 AUTO_VERIFY_MAX_BYTES = 2**30   # bigger models verify only with --verify (minutes, GBs of random inputs)
@@ -349,7 +349,7 @@ def _hexagon_verdict(kernels: Any, name: str, func: Any, rule: str) -> str:
         return not_executed(f"qemu-hexagon stopped: {' '.join(str(err).split())[:160]}")
     scale = max(float(np.abs(expected.astype(np.float64)).max()), 1e-30)
     err = float(np.abs(got.astype(np.float64) - expected.astype(np.float64)).max()) / scale
-    int8 = rule == HVX_INT8_RULE
+    int8 = rule in HVX_INT8_RULES
     tolerance = INT8_ACTIVATION_TOLERANCE if int8 else HVX_FP16_TOLERANCE if expected.dtype == np.float16 else TOLERANCE
     verdict = "matches LLVM" if err <= tolerance else "MISMATCH vs LLVM"
     return executed(f"qemu-hexagon, HVX{', int8 activations' if int8 else ''}, {verdict}: rel. err {err:.1e}")

@@ -31,7 +31,8 @@ from tvm.support import tar
 
 from pipeline.errors import CompileError
 from pipeline.kernels.cpu.schedule import _inline_producers
-from pipeline.kernels.npu.hvx_q4_gemv import HAND_WRITTEN, RULE, q4_gemv_like
+from pipeline.kernels.npu.hvx_fp16 import HAND_WRITTEN
+from pipeline.kernels.npu.hvx_int8_matmul import INT8_RULES, int8_matmul_like
 from pipeline.op_classes import classify
 from pipeline.op_classes import eval_shape as _eval
 
@@ -104,11 +105,11 @@ def hvx_schedule(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def hvx_kernel(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, str]:
-    """(the kernel's HVX form, its rule): the hand-written vrmpy kernel for a q4 KN decode GEMV
-    (hvx_q4_gemv.py), else `hvx_schedule` (rule "hvx"). Raises HvxScheduleError like hvx_schedule."""
-    replacement = q4_gemv_like(func)
-    if replacement is not None:
-        return replacement, RULE
+    """(the kernel's HVX form, its rule): the hand-written vrmpy kernel for a q4 / q8 KN decode GEMV or prefill
+    matmul (hvx_int8_matmul.py), else `hvx_schedule` (rule "hvx"). Raises HvxScheduleError like hvx_schedule."""
+    int8 = int8_matmul_like(func)
+    if int8 is not None:
+        return int8
     return hvx_schedule(func), "hvx"
 
 
@@ -241,7 +242,7 @@ def placement_lines(records: list[Any]) -> list[str]:
     """One build-output line per HVX candidate: its instruction count on the NPU, or why it is on the CPU."""
     lines = []
     for r in records:
-        if r.on_device and r.rule in ("hvx", RULE):
+        if r.on_device and r.rule in ("hvx", *INT8_RULES):
             lines.append(f"NPU {r.name}: {r.hvx_instructions} HVX instructions ({r.rule})")
         elif r.reason.startswith(CPU_FALLBACKS):
             lines.append(f"CPU {r.name}: {r.reason}")
