@@ -211,6 +211,9 @@ def table(result: dict) -> str:
                          f"{d['load_bytes'] / 1e6:.1f} | {_m(g['insns'])} | "
                          f"{g['vector_insns'] / max(g['insns'], 1):.0%} | {_m(p['insns'])} | "
                          f"{p['vector_insns'] / p['insns']:.0%} |")
+    if result.get("added"):
+        lines += ["", "Rows added to this run later (both sides measured together): " + "; ".join(
+            f"{a['scheme']} (commit {a['commit']}, {a['date']})" for a in result["added"])]
     if result.get("notes"):
         lines += ["", f"Note: {result['notes']}"]
     lines += ["", "| goal | value | limit | |", "|---|---|---|---|"]
@@ -269,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", action="store_true", help="also count our 1-thread step kernel by kernel")
     ap.add_argument("--update", type=Path, help="an existing results file: add the --poll 0 rows, re-measure "
                     "llama.cpp's rows of --schemes (none unless given), keep everything else")
+    ap.add_argument("--add", type=Path, help="an existing results file: measure --schemes on both sides and add "
+                    "them to it (same class; the other rows kept, the commit of each run recorded)")
     args = ap.parse_args(argv)
     missing = qc.missing_tools() + llamacpp_aarch64.missing_tools()
     if missing:
@@ -295,6 +300,18 @@ def main(argv: list[str] | None = None) -> int:
                       args.update.parent, start)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
+    if args.add:
+        result = json.loads(args.add.read_text())
+        if result["class"] != args.cls:
+            print(f"error: {args.add} is for class {result['class']}, not {args.cls}", file=sys.stderr)
+            return 2
+        for quant in schemes:
+            result["llamacpp"][PAIRS[quant]] = {str(t): measure_llamacpp(build.bench, files[PAIRS[quant]], t)
+                                                for t in threads_list}
+            result["ours"][quant] = measure_ours(quant, threads_list, args.work, kernels=args.kernels)
+            result.setdefault("added", []).append({"scheme": quant, "commit": commit,
+                                                   "date": datetime.date.today().isoformat()})
+        return finish(result, files, threads_list, args.add.parent, start)
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "class": args.cls,
               "march": llamacpp_aarch64.MARCH[args.cls], "context": CONTEXT, "prompt": PROMPT,
               "kv_bytes": kv_bytes(decoder), "llamacpp_build_key": build.key, "llamacpp": {}, "ours": {},
