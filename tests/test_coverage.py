@@ -229,3 +229,19 @@ def test_adreno_gpu_cost_columns_and_prediction(adreno):
     total = sum(r["gpu_cost"]["predicted_us_per_call"] * r["decode_step"]["calls"] for r in gemvs)
     assert pred["decode_gemv_us"] == pytest.approx(total, abs=0.1 * len(gemvs))
     assert "## GPU launch cost and predicted decode time (PREDICTION)" in to_markdown(report)
+
+
+def test_adreno_attention_cost_at_1k_context(adreno_built):
+    """With a context, the decode attention row is costed: our split-KV kernel's two launches for one sequence
+    (3 KV heads x 16 parts of 64 work-items, then 3 x 3 merge groups of 8), its barriers, and a prediction from
+    the streaming launch's 48 work-groups; TVM's kernel it replaced had 3 (test_gpu_attention.py)."""
+    from pipeline.report.coverage import to_markdown
+
+    _, mod, records, target = adreno_built
+    report = coverage_report(mod, records, target, context_len=1024)
+    row = next(r for r in report["kernels"] if r["name"] == "batch_decode_paged_kv")
+    cost, step = row["gpu_cost"], row["decode_step"]
+    assert cost["launches"] == [(48, 64), (9, 8)] and "2 per 64 keys" in cost["barriers"]
+    assert step["calls"] == LAYERS and step["bytes_per_call"] > 1024 * 2 * 3 * 64 * 2
+    assert cost["predicted_us_per_call"] == pytest.approx(step["bytes_per_call"] / 76.8e3, abs=0.01)
+    assert "| barriers / launch |" in to_markdown(report)

@@ -143,3 +143,45 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
     for name in expected:
         scale = max(float(np.abs(expected[name]).max()), 1e-30)
         assert float(np.abs(run.outputs[name][-1] - expected[name]).max()) <= TOL * scale, name
+
+
+def _attention_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int], list[int]]]):
+    """The split-KV decode attention (kernels/gpu/attention.py) at each (KV heads, query heads, head size) on a paged
+    cache of sequences of the given lengths (the second sharing the first's first page): the run and the references."""
+    from test_gpu_attention import paged_case
+
+    from pipeline.kernels.gpu.attention import paged_decode_gpu
+
+    funcs, cases, refs = {}, {}, {}
+    for name, (shape, lengths) in shapes.items():
+        funcs[name] = paged_decode_gpu(*shape, "float32").with_attr("global_symbol", name)
+        args, out, lse = paged_case(*shape, lengths, seed=1, shared=len(lengths) > 1)
+        cases[name] = [np.asarray(a) for a in args]
+        refs[name] = (out, lse)
+    return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), refs
+
+
+def _assert_clean_and_right(run, refs):
+    for name, (out, lse) in refs.items():
+        assert name not in run.failed, run.failed[name]
+        assert run.total(name) == 0, run.first.get(name)
+        assert name not in run.unchecked, run.unchecked[name]
+        got_out, got_lse = run.outputs[name][7], run.outputs[name][8]
+        assert float(np.abs(got_out - out).max()) <= TOL * max(1.0, float(np.abs(out).max()))
+        assert float(np.abs(got_lse - lse).max()) <= TOL * max(1.0, float(np.abs(lse).max()))
+
+
+def test_split_kv_attention_is_clean_under_oclgrind():
+    """SmolLM2's shape (3 KV / 9 query heads of 64), 37 and 70 cached tokens (not multiples of the page or the
+    tile; a shared page): no race, out-of-bounds or uninitialised read in either launch; numpy's result (~10 s)."""
+    run, refs = _attention_under_oclgrind({"split_kv_smollm2": ((3, 9, 64), [37, 70])})
+    _assert_clean_and_right(run, refs)
+
+
+@pytest.mark.slow
+def test_split_kv_attention_is_clean_under_oclgrind_at_large_heads():
+    """qwen27b's (4 KV / 24 query heads of 256) and Qwen3-0.6B's (8 / 16 of 128) shapes, one of them past a tile
+    (~40 s: each runs in its own Oclgrind process, see pipeline/verify/oclgrind.py)."""
+    run, refs = _attention_under_oclgrind({"split_kv_qwen27b": ((4, 24, 256), [17]),
+                                           "split_kv_qwen3": ((8, 16, 128), [90, 3])})
+    _assert_clean_and_right(run, refs)
