@@ -179,7 +179,10 @@ def test_default_model_rows_name_their_module(default_model_rows):
     by_name = {r["name"]: r["module"] for r in rows}
     assert by_name["dequantize_embedding"] == "embed_tokens"
     assert by_name["batch_decode_paged_kv"] == "layers.*.self_attn"
-    assert "layers.*.input_layernorm" in by_name["rms_norm"] and "norm" in by_name["rms_norm"].split(", ")
+    # the first layer's input norm alone; every other norm is fused with the residual add before it (add_norm.py)
+    assert by_name["rms_norm"] == "layers.*.input_layernorm", by_name["rms_norm"]
+    assert set(by_name["fused_add_rms_norm"].split(", ")) == {"layers.*.input_layernorm",
+                                                              "layers.*.post_attention_layernorm", "norm"}
     assert all(r["module"] for r in rows)
 
 
@@ -245,3 +248,15 @@ def test_adreno_attention_cost_at_1k_context(adreno_built):
     assert step["calls"] == LAYERS and step["bytes_per_call"] > 1024 * 2 * 3 * 64 * 2
     assert cost["predicted_us_per_call"] == pytest.approx(step["bytes_per_call"] / 76.8e3, abs=0.01)
     assert "| barriers / launch |" in to_markdown(report)
+
+
+def test_adreno_residual_add_and_norm_are_one_launch(adreno):
+    """Each layer boundary (residual add, then the RMSNorm of the sum) is one fused_add_rms_norm launch with both
+    outputs (kernels/gpu/add_norm.py): 2 per layer instead of 4, only the first layer's input norm left alone."""
+    _, report, _ = adreno
+    decode = {r["name"]: r for r in report["kernels"] if r["decode_step"]["calls"]}
+    fused = [r for n, r in decode.items() if n.startswith("fused_add_rms_norm")]
+    assert sum(r["decode_step"]["calls"] for r in fused) == 2 * LAYERS
+    assert [r["decode_step"]["calls"] for r in decode.values() if r["op_class"] == "rmsnorm" and r not in fused] == [1]
+    assert not [n for n in decode if n.startswith("add")], sorted(decode)
+    assert all(r["gpu_cost"]["launches"] == [(1, 64)] and r["gpu_cost"]["barriers"] == "1" for r in fused)

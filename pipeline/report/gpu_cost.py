@@ -27,7 +27,7 @@ from pipeline.tir_walk import statements
 
 PLAN_ATTR = "pipeline.gpu_plan"
 FILL_GROUPS = 48
-DECODE_SIZES = {"B": 1, "batch_size": 1}   # one sequence decoding
+DECODE_SIZES = {"B": 1, "batch_size": 1, "seq_len": 1}   # one sequence decoding one token
 MODEL = ("PREDICTION (a model, not a measurement): bytes / (phone bandwidth x min(1, work-groups / "
          f"{FILL_GROUPS})); no launch overhead, caches or compute")
 
