@@ -110,6 +110,7 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
     from tvm import tirx
 
     from pipeline.compiler.schedule import schedule_module
+    from pipeline.kernels.gpu.add_norm import cpu_variant
     from pipeline.verify.execution import attention_heads, kv_args, random_args
     from pipeline.verify.opencl import run_on_llvm
 
@@ -119,7 +120,9 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
     for gv, func in mod.functions_items():
         name = gv.name_hint
         kv = any(k in name for k in KV_DRIVEN)
-        if not isinstance(func, tirx.PrimFunc) or (not kv and func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
+        reference = cpu_variant(func) if isinstance(func, tirx.PrimFunc) else None   # our fused add + RMSNorm
+        if not isinstance(func, tirx.PrimFunc) or (not kv and reference is None and func.attrs is not None
+                                                   and func.attrs.get("tirx.is_scheduled")):
             continue
         func = func.with_attr("global_symbol", name)
         scheduled, records = schedule_module(tvm.IRModule({name: func}), target.tvm(), target.schedule_rules, "gpu")
@@ -131,7 +134,8 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
         # token ids and row positions below 5, the smallest dimension they index (seq_len)
         cases[name] = [np.random.default_rng(1).integers(0, 5, a.shape).astype(a.dtype)
                        if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
-        expected[name] = run_on_llvm(func, [a.copy() for a in cases[name]])[-1]
+        expected[name] = run_on_llvm((reference or func).with_attr("global_symbol", name),
+                                     [a.copy() for a in cases[name]])[-1]
     run = run_under_oclgrind(tvm.IRModule(funcs), dict(target.tvm_target), cases, timeout=3000)
     print(f"\nOclgrind: {len(cases)} kernels; reports: { {n: run.reports[n] for n in cases if run.total(n)} }; "
           f"uninitialised-value check not possible on {sorted(run.unchecked)}")
@@ -140,6 +144,7 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
     assert reported <= KNOWN_TVM_READS, {n: run.first[n] for n in reported - KNOWN_TVM_READS}
     assert all(kind.startswith("Invalid read of size 4") for n in reported for kind in run.reports[n]), run.reports
     assert "tir_attention_merge_state" in cases and sum(r == "dequant_gemv" for r in rules.values()) >= 5, rules
+    assert {"batch_decode_paged_kv", "fused_add_rms_norm"} <= set(cases), sorted(cases)   # ours (kernels/gpu)
     for name in expected:
         scale = max(float(np.abs(expected[name]).max()), 1e-30)
         assert float(np.abs(run.outputs[name][-1] - expected[name]).max()) <= TOL * scale, name

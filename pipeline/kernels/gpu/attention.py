@@ -12,7 +12,8 @@ expects), in two launches:
   query head (each K row read once per work-group, fp32 sums), one barrier, then every work-item takes the
   tile's max per head from local memory and writes its key's weight 2^(s - max), a second barrier, then the
   V rows are summed with the weights: W / (D / VEC) keys in parallel, each key's V row read as D / VEC
-  vectors (coalesced), once for all the query heads. Two barriers per W = 64 keys (TVM's: ~20 per 15).
+  vectors (coalesced), once for all the query heads. Two barriers per W = 64 keys (TVM's: 10 barrier
+  statements in its loop over 15-key tiles).
   The key lanes' outputs are added through local memory at the end; the part's unnormalised output, max
   and sum go to a workspace.
 * merge: one work-group per (sequence, query head) combines the parts with their maxima (flash-decoding).
