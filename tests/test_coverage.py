@@ -179,7 +179,10 @@ def test_default_model_rows_name_their_module(default_model_rows):
     by_name = {r["name"]: r["module"] for r in rows}
     assert by_name["dequantize_embedding"] == "embed_tokens"
     assert by_name["batch_decode_paged_kv"] == "layers.*.self_attn"
-    assert "layers.*.input_layernorm" in by_name["rms_norm"] and "norm" in by_name["rms_norm"].split(", ")
+    # the first layer's input norm alone; every other norm is fused with the residual add before it (add_norm.py)
+    assert by_name["rms_norm"] == "layers.*.input_layernorm", by_name["rms_norm"]
+    assert set(by_name["fused_add_rms_norm"].split(", ")) == {"layers.*.input_layernorm",
+                                                              "layers.*.post_attention_layernorm", "norm"}
     assert all(r["module"] for r in rows)
 
 
@@ -229,3 +232,31 @@ def test_adreno_gpu_cost_columns_and_prediction(adreno):
     total = sum(r["gpu_cost"]["predicted_us_per_call"] * r["decode_step"]["calls"] for r in gemvs)
     assert pred["decode_gemv_us"] == pytest.approx(total, abs=0.1 * len(gemvs))
     assert "## GPU launch cost and predicted decode time (PREDICTION)" in to_markdown(report)
+
+
+def test_adreno_attention_cost_at_1k_context(adreno_built):
+    """With a context, the decode attention row is costed: our split-KV kernel's two launches for one sequence
+    (3 KV heads x 16 parts of 64 work-items, then 3 x 3 merge groups of 8), its barriers, and a prediction from
+    the streaming launch's 48 work-groups; TVM's kernel it replaced had 3 (test_gpu_attention.py)."""
+    from pipeline.report.coverage import to_markdown
+
+    _, mod, records, target = adreno_built
+    report = coverage_report(mod, records, target, context_len=1024)
+    row = next(r for r in report["kernels"] if r["name"] == "batch_decode_paged_kv")
+    cost, step = row["gpu_cost"], row["decode_step"]
+    assert cost["launches"] == [(48, 64), (9, 8)] and "2 per 64 keys" in cost["barriers"]
+    assert step["calls"] == LAYERS and step["bytes_per_call"] > 1024 * 2 * 3 * 64 * 2
+    assert cost["predicted_us_per_call"] == pytest.approx(step["bytes_per_call"] / 76.8e3, abs=0.01)
+    assert "| barriers / launch |" in to_markdown(report)
+
+
+def test_adreno_residual_add_and_norm_are_one_launch(adreno):
+    """Each layer boundary (residual add, then the RMSNorm of the sum) is one fused_add_rms_norm launch with both
+    outputs (kernels/gpu/add_norm.py): 2 per layer instead of 4, only the first layer's input norm left alone."""
+    _, report, _ = adreno
+    decode = {r["name"]: r for r in report["kernels"] if r["decode_step"]["calls"]}
+    fused = [r for n, r in decode.items() if n.startswith("fused_add_rms_norm")]
+    assert sum(r["decode_step"]["calls"] for r in fused) == 2 * LAYERS
+    assert [r["decode_step"]["calls"] for r in decode.values() if r["op_class"] == "rmsnorm" and r not in fused] == [1]
+    assert not [n for n in decode if n.startswith("add")], sorted(decode)
+    assert all(r["gpu_cost"]["launches"] == [(1, 64)] and r["gpu_cost"]["barriers"] == "1" for r in fused)

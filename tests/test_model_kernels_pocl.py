@@ -14,6 +14,7 @@ import pytest
 import tvm
 from tvm import tirx
 
+from pipeline.kernels.gpu.add_norm import cpu_variant
 from pipeline.verify.execution import random_args
 from pipeline.verify.opencl import find_opencl_device, run_on_llvm, run_on_pocl
 from pipeline.verify.opencl_plan import opencl_kernels, param_spec
@@ -114,22 +115,28 @@ def test_every_model_kernel_on_pocl(fused_adreno_module):
         if any(k in name for k in KV_DRIVEN):
             kv_driven.append(name)
             continue
+        reference, outputs = func, [-1]
         if func.attrs is not None and func.attrs.get("tirx.is_scheduled"):
-            bound.append(name)   # written thread-bound: no LLVM twin (tests/test_engine_kernels_pocl.py runs them)
-            continue
+            reference = cpu_variant(func)   # our fused add + RMSNorm: its LLVM variant
+            if reference is None:
+                bound.append(name)   # written thread-bound: no LLVM twin (tests/test_engine_kernels_pocl.py runs them)
+                continue
+            outputs = [-2, -1]   # the fused add + norm writes the sum and the normalised sum
         func = func.with_attr("global_symbol", name)
         scheduled, _ = schedule_module(tvm.IRModule({name: func}), target.tvm(), target.schedule_rules, "gpu")
         # engine-facing kernels take up to 16 sequences (random ids are < 16)
         args = random_args(func, np.random.default_rng(0), {"seq_len": 5, "batch_size": 16, "num_seq": 16})
-        expected = run_on_llvm(func, [a.copy() for a in args])[-1]
-        got = run_on_pocl(opencl_kernels(scheduled, target.tvm()), name, [a.copy() for a in args])[-1]
-        scale = max(float(np.abs(expected).max()), 1e-30)
-        if float(np.abs(got - expected).max()) > 1e-4 * scale:
-            bad.append(name)
+        expected = run_on_llvm(reference.with_attr("global_symbol", name), [a.copy() for a in args])
+        got = run_on_pocl(opencl_kernels(scheduled, target.tvm()), name, [a.copy() for a in args])
+        for i in outputs:
+            scale = max(float(np.abs(expected[i]).max()), 1e-30)
+            if float(np.abs(got[i] - expected[i]).max()) > 1e-4 * scale:
+                bad.append(name)
         executed.append(name)
     print(f"\nPoCL: {len(executed)} kernels executed and matched LLVM; {len(kv_driven)} KV-cache-driven "
           f"kernels compiled, not executed here: {', '.join(sorted(kv_driven))}")
     assert not bad, bad
     assert sorted(bound) == ["bitmask_kernel", "logit_bias_kernel", "penalty_kernel"], bound
     assert "softmax_with_temperature_kernel" in executed
+    assert any(n.startswith("fused_add_rms_norm") for n in executed), executed   # kernels/gpu/add_norm.py
     assert len(executed) >= 20 and any("matmul" in n for n in executed) and any("take" in n for n in executed)

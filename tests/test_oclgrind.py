@@ -110,6 +110,7 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
     from tvm import tirx
 
     from pipeline.compiler.schedule import schedule_module
+    from pipeline.kernels.gpu.add_norm import cpu_variant
     from pipeline.verify.execution import attention_heads, kv_args, random_args
     from pipeline.verify.opencl import run_on_llvm
 
@@ -119,7 +120,9 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
     for gv, func in mod.functions_items():
         name = gv.name_hint
         kv = any(k in name for k in KV_DRIVEN)
-        if not isinstance(func, tirx.PrimFunc) or (not kv and func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
+        reference = cpu_variant(func) if isinstance(func, tirx.PrimFunc) else None   # our fused add + RMSNorm
+        if not isinstance(func, tirx.PrimFunc) or (not kv and reference is None and func.attrs is not None
+                                                   and func.attrs.get("tirx.is_scheduled")):
             continue
         func = func.with_attr("global_symbol", name)
         scheduled, records = schedule_module(tvm.IRModule({name: func}), target.tvm(), target.schedule_rules, "gpu")
@@ -131,7 +134,8 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
         # token ids and row positions below 5, the smallest dimension they index (seq_len)
         cases[name] = [np.random.default_rng(1).integers(0, 5, a.shape).astype(a.dtype)
                        if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
-        expected[name] = run_on_llvm(func, [a.copy() for a in cases[name]])[-1]
+        expected[name] = run_on_llvm((reference or func).with_attr("global_symbol", name),
+                                     [a.copy() for a in cases[name]])[-1]
     run = run_under_oclgrind(tvm.IRModule(funcs), dict(target.tvm_target), cases, timeout=3000)
     print(f"\nOclgrind: {len(cases)} kernels; reports: { {n: run.reports[n] for n in cases if run.total(n)} }; "
           f"uninitialised-value check not possible on {sorted(run.unchecked)}")
@@ -140,6 +144,49 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
     assert reported <= KNOWN_TVM_READS, {n: run.first[n] for n in reported - KNOWN_TVM_READS}
     assert all(kind.startswith("Invalid read of size 4") for n in reported for kind in run.reports[n]), run.reports
     assert "tir_attention_merge_state" in cases and sum(r == "dequant_gemv" for r in rules.values()) >= 5, rules
+    assert {"batch_decode_paged_kv", "fused_add_rms_norm"} <= set(cases), sorted(cases)   # ours (kernels/gpu)
     for name in expected:
         scale = max(float(np.abs(expected[name]).max()), 1e-30)
         assert float(np.abs(run.outputs[name][-1] - expected[name]).max()) <= TOL * scale, name
+
+
+def _attention_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int], list[int]]]):
+    """The split-KV decode attention (kernels/gpu/attention.py) at each (KV heads, query heads, head size) on a paged
+    cache of sequences of the given lengths (the second sharing the first's first page): the run and the references."""
+    from test_gpu_attention import paged_case
+
+    from pipeline.kernels.gpu.attention import paged_decode_gpu
+
+    funcs, cases, refs = {}, {}, {}
+    for name, (shape, lengths) in shapes.items():
+        funcs[name] = paged_decode_gpu(*shape, "float32").with_attr("global_symbol", name)
+        args, out, lse = paged_case(*shape, lengths, seed=1, shared=len(lengths) > 1)
+        cases[name] = [np.asarray(a) for a in args]
+        refs[name] = (out, lse)
+    return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), refs
+
+
+def _assert_clean_and_right(run, refs):
+    for name, (out, lse) in refs.items():
+        assert name not in run.failed, run.failed[name]
+        assert run.total(name) == 0, run.first.get(name)
+        assert name not in run.unchecked, run.unchecked[name]
+        got_out, got_lse = run.outputs[name][7], run.outputs[name][8]
+        assert float(np.abs(got_out - out).max()) <= TOL * max(1.0, float(np.abs(out).max()))
+        assert float(np.abs(got_lse - lse).max()) <= TOL * max(1.0, float(np.abs(lse).max()))
+
+
+def test_split_kv_attention_is_clean_under_oclgrind():
+    """SmolLM2's shape (3 KV / 9 query heads of 64), 37 and 70 cached tokens (not multiples of the page or the
+    tile; a shared page): no race, out-of-bounds or uninitialised read in either launch; numpy's result (~10 s)."""
+    run, refs = _attention_under_oclgrind({"split_kv_smollm2": ((3, 9, 64), [37, 70])})
+    _assert_clean_and_right(run, refs)
+
+
+@pytest.mark.slow
+def test_split_kv_attention_is_clean_under_oclgrind_at_large_heads():
+    """qwen27b's (4 KV / 24 query heads of 256) and Qwen3-0.6B's (8 / 16 of 128) shapes, one of them past a tile
+    (~40 s: each runs in its own Oclgrind process, see pipeline/verify/oclgrind.py)."""
+    run, refs = _attention_under_oclgrind({"split_kv_qwen27b": ((4, 24, 256), [17]),
+                                           "split_kv_qwen3": ((8, 16, 128), [90, 3])})
+    _assert_clean_and_right(run, refs)

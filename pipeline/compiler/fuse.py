@@ -14,6 +14,8 @@ from tvm.relax.dpl import is_op, is_tuple, wildcard
 from pipeline.kernels.cpu.attention import replace_cpu_attention
 from pipeline.kernels.cpu.fast_math import vectorizable_exp
 from pipeline.kernels.cpu.rope import replace_cpu_rope
+from pipeline.kernels.gpu.add_norm import fuse_add_rms_norm
+from pipeline.kernels.gpu.attention import replace_gpu_attention
 from pipeline.kernels.gpu.kernel_fixes import mark_noalias, replace_racy_kernels
 
 # dequantize functions of every packed weight format (layers.py): q4 / q8 groups, t2 / t3 ternary
@@ -51,6 +53,7 @@ def fusion_passes() -> list[tvm.transform.Pass]:
     return [
         replace_racy_kernels,                     # TVM's GPU merge-state kernel races (kernel_fixes.py)
         replace_cpu_attention,                    # TVM's CPU attention kernels are serial (cpu_attention.py)
+        replace_gpu_attention,                    # TVM's GPU decode attention: 1 work-group per KV head (gpu/attention.py)
         replace_cpu_rope,                         # TVM's RoPE evaluates cos/sin per element (cpu_rope.py)
         mark_noalias,                             # else LLVM leaves the CPU kernels unvectorized
         relax.transform.FuseTransposeMatmul(),   # nn.Linear's matmul(x, permute(W)) -> one NT matmul
@@ -60,8 +63,9 @@ def fusion_passes() -> list[tvm.transform.Pass]:
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),                # split+silu*up, casts into consumers, ... (not the residual
-                                                  # add into RMSNorm: the sum has two consumers)
+                                                  # add into RMSNorm: the sum has two consumers; see below)
         relax.transform.FuseTIR(),
+        fuse_add_rms_norm,                        # GPU: residual add + its RMSNorm in one launch (gpu/add_norm.py)
         relax.transform.DeadCodeElimination(),
         vectorizable_exp,                         # libm expf per lane on CPU (fast_math.py)
     ]

@@ -10,7 +10,10 @@ stated model, not a measurement: a kernel streams its decode bytes at the phone'
     time = bytes / (bandwidth x min(1, work-groups / FILL_GROUPS)),
 
 FILL_GROUPS = 48 (4 work-groups per shader processor of an Adreno 750, 12 SPs). It ignores launch overhead,
-caches and compute, so it is a floor for what a kernel can reach, not a forecast of what it will.
+caches and compute, so it is a floor for what a kernel can reach, not a forecast of what it will. Launches sized
+by the batch (the paged KV cache's attention) are shown for one sequence (DECODE_SIZES); the work-groups of a
+kernel of several launches are the fewest of its launches, or the streaming launch's when its plan names them
+(the split-KV attention: its merge launch moves a few KB). Barriers per launch come from our kernels' plans.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pipeline.tir_walk import statements
 
 PLAN_ATTR = "pipeline.gpu_plan"
 FILL_GROUPS = 48
+DECODE_SIZES = {"B": 1, "batch_size": 1, "seq_len": 1}   # one sequence decoding one token
 MODEL = ("PREDICTION (a model, not a measurement): bytes / (phone bandwidth x min(1, work-groups / "
          f"{FILL_GROUPS})); no launch overhead, caches or compute")
 
@@ -37,15 +41,18 @@ def _binding(s) -> tuple[str, Any] | None:
     return None
 
 
-def launches(func: tirx.PrimFunc) -> list[tuple[int, int]] | None:
+def launches(func: tirx.PrimFunc, sizes: dict[str, int] | None = None) -> list[tuple[int, int]] | None:
     """(work-groups, work-items per group) of each launch of a scheduled kernel, in program order; None when an
-    extent is symbolic. A launch is a nest of blockIdx bindings with the threadIdx bindings under it."""
+    extent is symbolic (a bare size variable named in `sizes` takes that value). A launch is a nest of blockIdx
+    bindings with the threadIdx bindings under it."""
     out: list[dict[str, int]] = []
     for s in statements(func.body):
         bound = _binding(s)
         if bound is None:
             continue
         tag, extent = bound
+        if isinstance(extent, tirx.Var) and extent.name in (sizes or {}):
+            extent = tirx.IntImm("int32", sizes[extent.name])
         if not isinstance(extent, tirx.IntImm):
             return None
         if tag.startswith("blockIdx") and (not out or tag in out[-1] or any(t.startswith("threadIdx") for t in out[-1])):
@@ -66,15 +73,17 @@ def annotate_gpu_cost(report: dict[str, Any], mod: Any, target: Any) -> None:
         func = next((f for gv, f in mod.functions_items() if gv.name_hint == row["name"]), None)
         if row["placement"] != "GPU" or func is None:
             continue
-        shape = launches(func) if isinstance(func, tirx.PrimFunc) else None
+        shape = launches(func, DECODE_SIZES) if isinstance(func, tirx.PrimFunc) else None
         cost: dict[str, Any] = {"launches": shape}
         plan = func.attrs.get(PLAN_ATTR) if isinstance(func, tirx.PrimFunc) and func.attrs else None
-        if plan is not None:
+        if plan is not None and "loads" in plan:
             cost["loads_per_work_item"] = int(plan["loads"])
             cost["load_bytes"] = int(plan["load_bytes"])
+        if plan is not None and "barriers" in plan:
+            cost["barriers"] = str(plan["barriers"])
         d = row["decode_step"]
         if bandwidth and shape and d.get("bytes_per_call") and d["calls"]:
-            groups = min(g for g, _ in shape)
+            groups = int(plan["work_groups"]) if plan is not None and "streaming" in plan else min(g for g, _ in shape)
             us = d["bytes_per_call"] / (bandwidth * 1e3 * min(1.0, groups / FILL_GROUPS))
             cost["predicted_us_per_call"] = round(us, 2)
             total_us += us * d["calls"]
@@ -96,8 +105,9 @@ def gpu_cost_lines(report: dict[str, Any], fmt_bytes) -> list[str]:
              f"Model: {pred['model']}; {pred['bandwidth_gbs']} GB/s. Predicted decode step over "
              f"{pred['kernels']} costed kernels: {pred['decode_step_us']} µs, of which dequant GEMVs "
              f"{pred['decode_gemv_us']} µs (the KV-cache attention is costed only with a context length).", "",
-             "| kernel | rule | decode bytes / call | work-groups x work-items | loads / work-item | predicted µs / call |",
-             "|---|---|---|---|---|---|"]
+             "| kernel | rule | decode bytes / call | work-groups x work-items | loads / work-item | barriers / launch "
+             "| predicted µs / call |",
+             "|---|---|---|---|---|---|---|"]
     for r in report["kernels"]:
         cost = r.get("gpu_cost")
         if not cost or not r["decode_step"]["calls"]:
@@ -105,5 +115,5 @@ def gpu_cost_lines(report: dict[str, Any], fmt_bytes) -> list[str]:
         shape = "; ".join(f"{g} x {i}" for g, i in cost["launches"]) if cost["launches"] else "symbolic"
         loads = f"{cost['loads_per_work_item']} x {cost['load_bytes']} B" if "loads_per_work_item" in cost else "-"
         lines.append(f"| `{r['name']}` | {r['rule']} | {fmt_bytes(r['decode_step']['bytes_per_call'])} | {shape} "
-                     f"| {loads} | {cost.get('predicted_us_per_call', '-')} |")
+                     f"| {loads} | {cost.get('barriers', '-')} | {cost.get('predicted_us_per_call', '-')} |")
     return lines

@@ -35,6 +35,7 @@ from pipeline.compiler.fuse import fusion_passes
 from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ROOT, load_target
 from pipeline.kernels.cpu import rope as cpu_rope
+from pipeline.kernels.gpu import add_norm
 from pipeline.kernels.npu.hvx_int8_matmul import INT8_RULES as HVX_INT8_RULES
 from pipeline.models import model_class
 from pipeline.models.layers import LayerFactory
@@ -249,6 +250,9 @@ def run_kernel(name: str, func: Any, target: Any, rules: tuple[str, ...], refere
     """One kernel: scheduled by the target's rules, run on PoCL, compared with LLVM (itself unscheduled, or
     `reference`, the CPU variant of a kernel bound to GPU threads already); the verdict."""
     bound = func.attrs is not None and func.attrs.get("tirx.is_scheduled")
+    ours = add_norm.cpu_variant(func) if bound else None   # our fused add + RMSNorm: its LLVM variant
+    if ours is not None:
+        reference = ours
     if bound and reference is None:
         return not_executed("bound to GPU threads, and no CPU variant of it to compare with")
     try:
@@ -258,6 +262,9 @@ def run_kernel(name: str, func: Any, target: Any, rules: tuple[str, ...], refere
     size = sum(a.nbytes for a in args)
     if size > MAX_ARG_BYTES:
         return not_executed(f"too large to run here ({size / 2**20:.0f} MiB of arguments)")
+    if ours is not None:
+        return _compare(name, func, reference, args, target, rules, "fp32 twin, its LLVM variant the reference",
+                        outputs=list(add_norm.OUTPUTS), what="LLVM")
     if bound:
         if name not in GPU_BOUND_LIBRARY:
             return not_executed("bound to GPU threads, with no known outputs to compare")

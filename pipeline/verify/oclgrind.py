@@ -68,12 +68,17 @@ def run_under_oclgrind(mod: Any, target: Any, cases: dict[str, list[np.ndarray]]
     stopped = [n for n, first in run.first.items() if NO_FREEZE in first and n in cases]
     # After the plugin stopped on a kernel, later kernels of the same process got spurious uninitialised-value
     # reports (a SmolLM2 prefill matmul: 1440 in sequence, none alone): those run again without the stopped ones.
+    # Functions that allocate a workspace between two launches (the split-KV decode attention) got them after
+    # any earlier function of the process (its merge launch: one per output element; the same inputs alone, or
+    # first in a process: none): those run again, each in a process of its own.
     order = list(cases)
-    after = [n for n in order if stopped and order.index(n) > order.index(stopped[0]) and n not in stopped
-             and run.reports.get(n) and all(k.startswith("Uninitialized") for k in run.reports[n])]
-    if after:
-        alone = _run(mod, target, {n: cases[n] for n in after}, timeout, uninitialized=True)
-        for n in after:
+    only_uninitialized = [n for n in order[1:] if n not in stopped and run.reports.get(n)
+                          and all(k.startswith("Uninitialized") for k in run.reports[n])]
+    after = [n for n in only_uninitialized if stopped and order.index(n) > order.index(stopped[0])]
+    for group in ([after] if after else []) + [[n] for n in only_uninitialized if n not in after
+                                               and _has_workspace(mod[n])]:
+        alone = _run(mod, target, {n: cases[n] for n in group}, timeout, uninitialized=True)
+        for n in group:
             for part in ("outputs", "reports", "first", "failed"):
                 getattr(run, part).pop(n, None)
                 if n in getattr(alone, part):
@@ -88,6 +93,19 @@ def run_under_oclgrind(mod: Any, target: Any, cases: dict[str, list[np.ndarray]]
                     getattr(run, part)[n] = getattr(again, part)[n]
             run.unchecked[n] = "uninitialised values (Oclgrind 21.10 stops on LLVM's freeze instruction)"
     return run
+
+
+def _has_workspace(func: Any) -> bool:
+    """Whether a scheduled function allocates a global buffer outside its kernels (a workspace between launches)."""
+    from tvm import tirx
+    from tvm.s_tir import SBlock
+
+    from pipeline.tir_walk import statements
+
+    def buffers(s):
+        return list(s.alloc_buffers) if isinstance(s, SBlock) else [s.buffer] if isinstance(s, tirx.AllocBuffer) else []
+
+    return any(str(b.scope()) == "global" for s in statements(func.body) for b in buffers(s))
 
 
 def _run(mod: Any, target: Any, cases: dict[str, list[np.ndarray]], timeout: float, uninitialized: bool) -> OclgrindRun:

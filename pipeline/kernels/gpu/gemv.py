@@ -297,7 +297,8 @@ def kn_gemv_like(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, Plan] | None:
     new = (tirx.PrimFunc(params, kernel.body, kernel.ret_type, func.attrs)
            .with_attr("tirx.is_scheduled", True).with_attr("tirx.noalias", True))
     op_class = "dequant-gemv-ternary" if fmt in ("t2", "b1") else "dequant-gemv"
-    launch = {"work_groups": p.groups, "work_items": p.tn * p.tk, "loads": p.loads, "load_bytes": p.v * p.spec.code_bytes}
+    launch = {"work_groups": p.groups, "work_items": p.tn * p.tk, "loads": p.loads, "load_bytes": p.v * p.spec.code_bytes,
+              "barriers": 1}
     return new.with_attr(OP_CLASS_ATTR, op_class).with_attr(PLAN_ATTR, launch), p
 
 
