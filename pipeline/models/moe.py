@@ -64,12 +64,17 @@ class StackedExperts(nn.Module):
         return self.weight.dtype if self.fmt == "float" else "float32"
 
 
+SHARED_ROLE = "shared_expert"   # the scheme's `formats` key for the shared expert (else gate_up_proj / down_proj)
+
+
 class SharedExpert(nn.Module):
-    """A dense SwiGLU FFN (fused gate+up like the dense decoder's MLP)."""
+    """A dense SwiGLU FFN (fused gate+up like the dense decoder's MLP). Its format is the scheme's
+    `shared_expert` when given (QUANT=auto plans it apart from the dense roles), else gate_up_proj's / down_proj's."""
 
     def __init__(self, hidden: int, inter: int, make: LayerFactory):
-        self.gate_up_proj = make.linear(hidden, 2 * inter, bias=False, role="gate_up_proj")
-        self.down_proj = make.linear(inter, hidden, bias=False, role="down_proj")
+        own = SHARED_ROLE in (make.formats or {})
+        self.gate_up_proj = make.linear(hidden, 2 * inter, bias=False, role=SHARED_ROLE if own else "gate_up_proj")
+        self.down_proj = make.linear(inter, hidden, bias=False, role=SHARED_ROLE if own else "down_proj")
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
