@@ -98,6 +98,10 @@ def test_qwen3_moe_q0f32_matches_transformers(qwen3_moe, build_bundle):
     expert_bytes = 4 * 3 * 32 * 64   # fp32 gate, up and down of one expert (I = 32, H = 64)
     step = gate_up["decode_step"]["bytes_per_call"] + down["decode_step"]["bytes_per_call"]
     assert 2 * expert_bytes <= step < 3 * expert_bytes and gate_up["decode_step"]["calls"] == 2
+    # prefill ran grouped by expert (moe_grouped): the prefill logits above checked it; decode never calls it
+    for name in ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down"):
+        assert kernels[name]["prefill_chunk"]["calls"] == 2 and not kernels[name]["decode_step"]["calls"], name
+    assert not gate_up["prefill_chunk"]["calls"]
 
 
 @pytest.mark.slow
@@ -247,6 +251,44 @@ def test_gather_kernels_match_numpy(fmt):
         y, = _run(moe_down(E, hidden, inter, k, "float32", fmt), [act, idx, weight, *down_args],
                   [((n, hidden), "float32")])
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (fmt, norm)
+
+
+@pytest.mark.parametrize("fmt", ["float", "q4", "q8"])
+def test_grouped_kernels_match_the_gather_kernels(fmt):
+    """Prefill grouped by expert (moe_grouped: counting sort, one pass per expert row over its tokens) gives the
+    gather kernels' numbers: the sort lists every slot once, ascending within each expert; the per-slot outputs
+    and their routing-weighted sum equal moe_gate_up / moe_down (same fp32 dot order: exact up to 1e-6)."""
+    from pipeline.models.moe_grouped import moe_grouped_down, moe_grouped_gate_up, moe_sort
+
+    E, K, H, M, n = 8, 2, 64, 32, 37
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, H)).astype("float32")
+    logits = rng.standard_normal((n, E)).astype("float32")
+    logits[:, 5] -= 10.0   # an expert no token picks: an empty group
+    gu = (rng.standard_normal((E, 2 * M, H)) * 0.1).astype("float32")
+    dn = (rng.standard_normal((E, H, M)) * 0.1).astype("float32")
+    idx, w = _run(moe_route(E, K, True), [logits], [((n, K), "int32"), ((n, K), "float32")])
+    offsets, order = _run(moe_sort(E, K), [idx], [((E + 1,), "int32"), ((n * K,), "int32")])
+    flat = idx.reshape(-1)
+    assert offsets[5] == offsets[6] and offsets[-1] == n * K
+    for e in range(E):
+        np.testing.assert_array_equal(order[offsets[e]:offsets[e + 1]], np.flatnonzero(flat == e))
+    gu_args, dn_args = [gu], [dn]
+    if fmt != "float":
+        quant = quantize_q4 if fmt == "q4" else quantize_q8
+        gu_args = [np.stack(a) for a in zip(*(quant(m) for m in gu), strict=True)]
+        dn_args = [np.stack(a) for a in zip(*(quant(m) for m in dn), strict=True)]
+    h_ref, = _run(moe_gate_up(E, M, H, K, "float32", fmt, scale_dtype="float16"), [x, idx, *gu_args],
+                  [((n, K, M), "float32")])
+    h, = _run(moe_grouped_gate_up(E, M, H, K, "float32", fmt, scale_dtype="float16"), [x, offsets, order, *gu_args],
+              [((n, K, M), "float32")])
+    np.testing.assert_allclose(h, h_ref, rtol=0, atol=1e-6 * np.abs(h_ref).max())
+    y_ref, = _run(moe_down(E, H, M, K, "float32", fmt, scale_dtype="float16"), [h_ref, idx, w, *dn_args],
+                  [((n, H), "float32")])
+    per_slot, = _run(moe_grouped_down(E, H, M, K, "float32", fmt, scale_dtype="float16"),
+                     [h, offsets, order, *dn_args], [((n, K, H), "float32")])
+    y = (per_slot * w[..., None]).sum(1)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-6 * np.abs(y_ref).max())
 
 
 def test_sparse_layers_follow_transformers():
