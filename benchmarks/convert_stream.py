@@ -10,6 +10,8 @@ layer count (a fit over the layer counts run: streaming conversion should not gr
     .venv/bin/python benchmarks/convert_stream.py                 # qwen3-32b, 2 and 4 layers
     .venv/bin/python benchmarks/convert_stream.py --quick         # 1 and 2 layers
     .venv/bin/python benchmarks/convert_stream.py --layers 1,2 --vocab 32768   # small embedding, fast
+    .venv/bin/python benchmarks/convert_stream.py --model qwen3.5-35b-a3b --layers 1,2 --vocab 32768 \
+        --experts 64 --results benchmarks/results/convert_stream_moe_e64.json   # MoE: peak RSS vs expert count
 
 Models are pluggable: `MODELS` maps a name to its HF config.json, `GENERATORS` maps a config's
 model_type to a function returning its checkpoint's [(HF tensor name, shape)] (add a family there), and
@@ -46,6 +48,8 @@ MODELS: dict[str, Path] = {
     "qwen3-32b": ROOT / "configs" / "models" / "hf" / "qwen3-32b.config.json",
     # converts once the pipeline defines the hybrid model; until then its worker fails with the pipeline's error
     "qwen3.5-27b": ROOT / "configs" / "models" / "hf" / "qwen3.5-27b.config.json",
+    # 256 experts per layer, one tensor per expert and projection (as released): 1.6 GB of bf16 per layer
+    "qwen3.5-35b-a3b": ROOT / "configs" / "models" / "hf" / "qwen3.5-35b-a3b.config.json",
 }
 
 Shape = tuple[int, ...]
@@ -57,15 +61,37 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
 
+def mlp_tensors(t: dict[str, Any], prefix: str, layer: int) -> list[tuple[str, Shape]]:
+    """HF tensors of one layer's MLP: dense SwiGLU, or (Qwen3-MoE / Qwen3.5-MoE) a router, one tensor per
+    routed expert and projection as the released checkpoints store them, and the shared expert with its gate."""
+    hidden, experts = t["hidden_size"], int(t.get("num_experts") or 0)
+    step, dense_layers = int(t.get("decoder_sparse_step") or 1), t.get("mlp_only_layers") or []
+    m = prefix + "mlp."
+    if not experts or layer in dense_layers or (layer + 1) % step:
+        inter = t["intermediate_size"]
+        return [(m + "gate_proj.weight", (inter, hidden)), (m + "up_proj.weight", (inter, hidden)),
+                (m + "down_proj.weight", (hidden, inter))]
+    inter = t["moe_intermediate_size"]
+    out: list[tuple[str, Shape]] = [(m + "gate.weight", (experts, hidden))]
+    for e in range(experts):
+        out += [(m + f"experts.{e}.gate_proj.weight", (inter, hidden)), (m + f"experts.{e}.up_proj.weight", (inter, hidden)),
+                (m + f"experts.{e}.down_proj.weight", (hidden, inter))]
+    shared = int(t.get("shared_expert_intermediate_size") or 0)
+    if shared:
+        out += [(m + "shared_expert.gate_proj.weight", (shared, hidden)), (m + "shared_expert.up_proj.weight", (shared, hidden)),
+                (m + "shared_expert.down_proj.weight", (hidden, shared)), (m + "shared_expert_gate.weight", (1, hidden))]
+    return out
+
+
 def dense_tensors(cfg: dict[str, Any]) -> list[tuple[str, Shape]]:
     """HF tensors of a dense GQA decoder (Llama / Qwen2 / Qwen3)."""
     t = text_config(cfg)
-    hidden, inter, vocab = t["hidden_size"], t["intermediate_size"], t["vocab_size"]
+    hidden, vocab = t["hidden_size"], t["vocab_size"]
     heads, layers = t["num_attention_heads"], t["num_hidden_layers"]
     kv = t.get("num_key_value_heads") or heads
     head_dim = t.get("head_dim") or hidden // heads
     bias = t.get("attention_bias", t.get("model_type") == "qwen2")
-    qk_norm = t.get("model_type") == "qwen3"
+    qk_norm = t.get("model_type") in ("qwen3", "qwen3_moe")
     out: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -77,8 +103,7 @@ def dense_tensors(cfg: dict[str, Any]) -> list[tuple[str, Shape]]:
         out.append((p + "self_attn.o_proj.weight", (hidden, heads * head_dim)))
         if qk_norm:
             out += [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,))]
-        out += [(p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
-                (p + "mlp.down_proj.weight", (hidden, inter))]
+        out += mlp_tensors(t, p, i)
     out.append(("model.norm.weight", (hidden,)))
     if not (t.get("tie_word_embeddings") or cfg.get("tie_word_embeddings")):
         out.append(("lm_head.weight", (vocab, hidden)))
@@ -90,7 +115,7 @@ def qwen3_5_tensors(cfg: dict[str, Any]) -> list[tuple[str, Shape]]:
     gated full-attention layers, per `layer_types`), under `model.language_model.`. Shapes match
     transformers' Qwen3_5 modeling; the vision tower and MTP head are left out (not converted)."""
     t = text_config(cfg)
-    hidden, inter, vocab, heads = t["hidden_size"], t["intermediate_size"], t["vocab_size"], t["num_attention_heads"]
+    hidden, vocab, heads = t["hidden_size"], t["vocab_size"], t["num_attention_heads"]
     kv, head_dim = t["num_key_value_heads"], t["head_dim"]
     k_heads, k_dim = t["linear_num_key_heads"], t["linear_key_head_dim"]
     v_heads, v_dim = t["linear_num_value_heads"], t["linear_value_head_dim"]
@@ -114,8 +139,7 @@ def qwen3_5_tensors(cfg: dict[str, Any]) -> list[tuple[str, Shape]]:
             out += [(a + "q_proj.weight", (heads * head_dim * gate, hidden)), (a + "k_proj.weight", (kv * head_dim, hidden)),
                     (a + "v_proj.weight", (kv * head_dim, hidden)), (a + "o_proj.weight", (hidden, heads * head_dim)),
                     (a + "q_norm.weight", (head_dim,)), (a + "k_norm.weight", (head_dim,))]
-        out += [(p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
-                (p + "mlp.down_proj.weight", (hidden, inter))]
+        out += mlp_tensors(t, p, i)
     out.append((pre + "norm.weight", (hidden,)))
     if not (t.get("tie_word_embeddings") or cfg.get("tie_word_embeddings")):
         out.append(("lm_head.weight", (vocab, hidden)))
@@ -129,6 +153,8 @@ GENERATORS: dict[str, Callable[[dict[str, Any]], list[tuple[str, Shape]]]] = {
     "qwen2": dense_tensors,
     "qwen3": dense_tensors,
     "qwen3_5": qwen3_5_tensors,
+    "qwen3_moe": dense_tensors,
+    "qwen3_5_moe": qwen3_5_tensors,
 }
 
 
@@ -140,11 +166,15 @@ def generator_for(cfg: dict[str, Any]) -> Callable[[dict[str, Any]], list[tuple[
              f"GENERATORS in {Path(__file__).relative_to(ROOT)}")
 
 
-def with_layers(cfg: dict[str, Any], layers: int, vocab: int | None = None) -> dict[str, Any]:
-    """A copy of `cfg` cut down to `layers` layers (per-layer lists too), with an optional smaller vocab."""
+def with_layers(cfg: dict[str, Any], layers: int, vocab: int | None = None, experts: int | None = None) -> dict[str, Any]:
+    """A copy of `cfg` cut down to `layers` layers (per-layer lists too), with an optional smaller vocab and
+    (mixture of experts) expert count."""
     cfg = json.loads(json.dumps(cfg))
     t = text_config(cfg)
     t["num_hidden_layers"] = layers
+    if experts:
+        t["num_experts"] = experts
+        t["num_experts_per_tok"] = min(experts, int(t.get("num_experts_per_tok") or 1))
     for key in ("layer_types",):
         if isinstance(t.get(key), list):
             t[key] = t[key][:layers]
@@ -278,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, help="a HF config.json instead of --model")
     ap.add_argument("--layers", default=None, help="comma-separated layer counts (default 2,4; --quick 1,2)")
     ap.add_argument("--vocab", type=int, default=None, help="override vocab_size (smaller embedding, faster)")
+    ap.add_argument("--experts", type=int, default=None, help="override num_experts (mixture-of-experts configs)")
     ap.add_argument("--quant", default="q4f16")
     ap.add_argument("--quick", action="store_true", help="1 and 2 layers (a few minutes)")
     ap.add_argument("--shard-gb", type=float, default=4.0, help="safetensors shard size (default 4 GB)")
@@ -305,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for n in layers:
-            cfg = with_layers(base, n, args.vocab)
+            cfg = with_layers(base, n, args.vocab, args.experts)
             tensors = generate(cfg)
             need = sum(math.prod(s) * 2 for _, s in tensors)
             free = shutil.disk_usage(work).free
@@ -362,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps({
         "benchmark": "convert_stream", "model": name, "quant": args.quant, "vocab_override": args.vocab,
+        "experts_override": args.experts,
         "machine": {"cpus": os.cpu_count(), "platform": sys.platform}, "runs": rows,
         "full_layers": full, "peak_rss_gb_per_layer": slope, "peak_rss_gb_extrapolated_full": extrapolated,
         "checkpoint_gb_extrapolated_full": a_ckpt_full,

@@ -501,7 +501,9 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
         load_runtime(runtime)   # an unknown name fails here, in one line
         target_spec = dataclasses.replace(target_spec, runtime=runtime)
     if phone is not None:
-        target_spec = dataclasses.replace(target_spec, phone=load_phone(phone) if isinstance(phone, str) else phone)
+        # the registry name rides along so that a refusal names the phone as the user wrote it
+        target_spec = dataclasses.replace(target_spec, phone={"id": phone, **load_phone(phone)}
+                                          if isinstance(phone, str) else phone)
         if target_spec.cpu_class and target_spec.phone.get("cpu_class"):   # build for that phone's CPU class
             target_spec = dataclasses.replace(target_spec, cpu_class=load_cpu_class(target_spec.phone["cpu_class"])["name"])
     quant_spec = _with_calibration(load_quant(quant), calibration)

@@ -230,3 +230,43 @@ def test_qwen27b_auto_bundle_saves_the_plan(tmp_path, target, phone):
     for fmt in low:
         rules = [k["rule"] for k in kernels if f"dequantize_{fmt}" in k["name"]]
         assert {"gemv", "dequant_gemv"} & set(rules), (fmt, rules)
+
+
+@pytest.fixture(scope="module")
+def moe35b():
+    return load_model("qwen3.5-35b-a3b").hf_config
+
+
+def test_35b_a3b_fits_a_24gb_phone_with_q4_experts(moe35b):
+    """The 35B MoE at q4 (19.8 GB at 8K) fits the 24 GB phone's 20 GB: experts stay q4 (q8 experts would add
+    ~16 GB), the small roles take what is left; routed experts weigh their active parameters (8 of 256)."""
+    phone = {"id": "android-24gb", **load_phone("android-24gb")}
+    result = plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
+    assert result["total_bytes"] <= 20e9 and result["formats"]["experts"] == "q4"
+    assert result["role_weights"]["experts"] == 40 * 8 * 3 * 512 * 2048   # active, not 40 x 256 x ...
+    assert "shared_expert" in result["formats"] and "gate_up_proj" not in result["formats"]   # no dense MLP
+    assert not result["ternary_roles"]
+    md = auto_markdown(result)
+    assert "PREDICTION: decode" in md and "Mixture of experts" in md
+    # decode reads the active bytes: ~1.7 GB of ~19.7 GB stored
+    assert result["plan"]["weights_read_per_token"]["bytes"] < result["weights_bytes"] / 10
+
+
+def test_35b_a3b_experts_never_go_below_q4(moe35b):
+    """Between "experts q4, the rest b1" (18.8 GB) and q4 everywhere (19.8 GB) the plan fits by downgrading the
+    other roles; the experts stay q4 (the gather kernels store nothing lower)."""
+    phone = {"name": "a 19.5 GB budget", "ram_gb": 24, "app_budget_gb": 19.5, "bandwidth_gbs": 84.8}
+    result = plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
+    assert result["total_bytes"] <= 19.5e9 and result["formats"]["experts"] == "q4"
+    assert result["ternary_roles"] and "experts" not in result["ternary_roles"]
+
+
+def test_35b_a3b_refused_on_a_16gb_phone_in_one_line(moe35b):
+    phone = {"id": "android-16gb", **load_phone("android-16gb")}
+    with pytest.raises(ConfigError) as err:
+        plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
+    text = str(err.value)
+    assert "\n" not in text
+    assert "qwen3.5-35b-a3b does not fit android-16gb (Snapdragon 8 Gen 3 phone, 16 GB)" in text
+    assert "but experts q4 (their lowest storable), needs 18.77 GB at 8192 tokens" in text
+    assert "app budget of at least 18.77 GB" in text

@@ -250,3 +250,46 @@ def test_killed_cli_build_resumes_to_identical_bundle(tmp_path, monkeypatch):
     names = ["tensor-cache.json", "manifest.json"] + [s["dataPath"] for s in index["records"]]
     for name in names:
         assert (bundle / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """A tiny Qwen3-MoE saved as transformers writes it (one tensor per expert and projection, as the released
+    checkpoints are), defined for q4f16_0 on host-cpu: its experts are stacked [E, rows, K] parameters."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.stages import define, load
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=96, max_position_embeddings=128, tie_word_embeddings=False)
+    hf = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():   # transformers leaves the stacked experts uninitialised
+        for name, p in hf.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, 0.02)
+    folder = tmp_path_factory.mktemp("tiny-qwen3-moe-resume")
+    hf.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    loaded = load(load_model(str(folder)))
+    return loaded, define(loaded, load_quant("q4f16_0"), load_target("host-cpu"))
+
+
+def test_moe_resume_after_any_shard_is_byte_identical(moe_model, tmp_path):
+    """Stacked expert parameters converted from per-expert tensors resume like any other: stopped after any
+    finished shard, the resumed conversion skips the finished shards and ends byte-identical to a clean one."""
+    loaded, defined = moe_model
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in loaded.checkpoint.names()
+    assert any(n.endswith("experts.gate_up_proj.q_weight") for n, _ in defined.params)
+    clean = _files(_convert(moe_model, tmp_path / "clean" / "key"))
+    shards = len(json.loads(clean["tensor-cache.json"])["records"])
+    assert shards >= 6
+    for n in range(1, shards):
+        final = tmp_path / f"stop{n}" / "key"
+        with pytest.raises(Interrupted):
+            _convert(moe_model, final, after_shard=_stop_at(n))
+        report = Recorder()
+        _convert(moe_model, final, report)
+        assert any(f"skipped {n} finished shards" in line for line in report.lines), report.lines
+        assert _files(final) == clean, n

@@ -112,6 +112,13 @@ def test_quant_modes_and_errors(qwen32b):
 def _group_of(name: str) -> str:
     """Map a transformers parameter name onto memory_plan's tensor groups."""
     table = [
+        ("experts.gate_up_proj", "experts_gate_up"),
+        ("experts.down_proj", "experts_down"),
+        ("mlp.gate.weight", "moe_router"),
+        ("shared_expert_gate", "shared_expert_gate"),
+        ("shared_expert.gate_proj", "shared_expert_gate_up"),
+        ("shared_expert.up_proj", "shared_expert_gate_up"),
+        ("shared_expert.down_proj", "shared_expert_down"),
         ("embed_tokens", "embedding"),
         ("lm_head", "lm_head"),
         ("q_norm", "attn_qk_norm"),
@@ -238,6 +245,117 @@ def test_plan_bytes_equal_the_compiled_models_parameters(qwen27b, quant):
     loaded = stages.load(spec)
     spec_q = load_quant(quant)
     defined = stages.define(loaded, spec_q, load_target("android-adreno"))
+    real = sum(math.prod(int(x) for x in p.shape) * np.dtype(p.dtype).itemsize for _, p in defined.params)
+    mode, group_modes = modes_for_scheme(spec_q.weight_format, spec_q.weight_dtype, spec_q.formats)
+    assert memory_plan(hf, quant=mode, group_modes=group_modes)["weights_total"]["bytes"] == real
+
+
+def _tiny_moe_model(kind: str):
+    """A transformers MoE model made here: qwen3_moe (3 layers, layer 1 dense) or qwen3_5_moe (shared expert)."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                                          num_experts_per_tok=2, mlp_only_layers=[1], tie_word_embeddings=False)
+        return cfg.to_dict(), transformers.Qwen3MoeForCausalLM(cfg)
+    cfg = transformers.Qwen3_5MoeTextConfig(
+        hidden_size=64, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, vocab_size=160,
+        tie_word_embeddings=False)
+    hf = {"model_type": "qwen3_5_moe", "tie_word_embeddings": False, "text_config": cfg.to_dict()}
+    return hf, transformers.Qwen3_5MoeForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
+def test_tiny_moe_matches_transformers(kind):
+    """Every parameter of transformers' MoE models is counted, in the right group (all E experts stored)."""
+    hf, model = _tiny_moe_model(kind)
+    plan = memory_plan(hf, quant="q0f32", contexts=(16,))
+    assert plan["weights_total"]["params"] == model.num_parameters()
+    assert {g: v["params"] for g, v in plan["weights"].items()} == _hf_groups(model)
+    assert plan["moe"]["routed_params"] == sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    # read per token: all but the embedding gather and 6 of the 8 experts of each sparse layer
+    emb = model.get_input_embeddings().weight.numel()
+    assert plan["weights_read_per_token"]["params"] == (
+        model.num_parameters() - emb - plan["moe"]["routed_params"] * 6 // 8)
+
+
+def test_moe_active_bytes_by_hand():
+    """q4f16 bytes of a tiny qwen3_moe (3 layers, layer 1 dense, 8 experts top-2), stored and read per decoded
+    token, against the arithmetic done by hand; the predicted decode speed divides the active bytes."""
+    hf, _ = _tiny_moe_model("qwen3_moe")
+    phone = {"name": "test phone", "ram_gb": 1, "app_budget_gb": 0.5, "bandwidth_gbs": 50.0}
+    plan = memory_plan(hf, quant="q4f16", contexts=(100,), phone=phone)
+
+    def q4(rows, k):   # 4-bit codes + one fp16 scale per 32 along K
+        return rows * (k // 2 + 2 * (k // 32))
+
+    attention = 3 * (q4(64, 64) + q4(32, 64) + q4(32, 64) + q4(64, 64) + 2 * 16 * 2)   # q, k, v, o, q/k norms
+    norms = (2 * 3 + 1) * 64 * 2
+    dense_mlp = q4(96, 64) + q4(96, 64) + q4(64, 96)                                    # layer 1 only
+    router = 8 * 64 * 2                                                                 # fp16, never quantized
+    expert = q4(2 * 32, 64) + q4(64, 32)                                                # one expert's gate_up + down
+    vocab_table = q4(160, 64)
+    stored = attention + norms + dense_mlp + 2 * (router + 8 * expert) + 2 * vocab_table
+    active = attention + norms + dense_mlp + 2 * (router + 2 * expert) + vocab_table     # lm_head, no embedding
+    assert (stored, active) == (101056, 53824)   # the sums written out: a change of the formula above shows here
+    assert plan["weights_total"]["bytes"] == stored
+    assert plan["weights_read_per_token"]["bytes"] == active
+    assert plan["moe"]["routed_bytes"] == 2 * 8 * expert and plan["moe"]["routed_read_bytes"] == 2 * 2 * expert
+    assert plan["weights_read_per_token"]["by_part"]["routed experts"] == 4 * expert
+    row = plan["contexts"][0]
+    kv = 3 * 2 * 2 * 16 * 2 * 100   # 3 layers x K,V x 2 kv heads x head_dim 16 x fp16 x 100 tokens
+    assert row["decode_bytes_per_token"] == active + kv
+    assert row["predicted_decode_tok_s"] == pytest.approx(0.6 * 50e9 / (active + kv))
+    md = plan_markdown(plan)
+    assert "## Mixture of experts" in md and "2/8" in md and "**predictions**" in md and "active weights" in md
+
+
+def test_35b_a3b_active_and_phones():
+    """Qwen3.5-35B-A3B's real config: ~35B stored, ~3B read per token (the "A3B"); at q4 the weights (19.5 GB)
+    fit a 24 GB Android phone's 20 GB budget at 8K, not a 16 GB one's 12 GB."""
+    from pipeline.config import load_model, load_phone
+
+    hf = load_model("qwen3.5-35b-a3b").hf_config
+    plan = memory_plan(hf, quant="q4f16", contexts=(8192,), phone=load_phone("android-24gb"))
+    assert plan["weights_total"]["params"] == pytest.approx(34.66e9, rel=1e-3)
+    assert plan["weights_read_per_token"]["params"] == pytest.approx(2.95e9, rel=1e-2)
+    # 40 layers x 8 experts x (2 x 512 x 2048 + 2048 x 512) weights at 4.5 bits
+    assert plan["moe"]["routed_read_bytes"] == 40 * 8 * 3 * 512 * 2048 * 9 // 16
+    assert plan["kv_cache"]["bytes_per_token"] == 10 * 2 * 2 * 256 * 2
+    assert plan["recurrent_state"]["gdn_bytes"] == 30 * 32 * 128 * 128 * 4
+    assert plan["contexts"][0]["fits"] is True
+    assert memory_plan(hf, quant="q4f16", contexts=(8192,), phone=load_phone("android-16gb"))["contexts"][0][
+        "fits"] is False
+    with pytest.raises(ValueError, match="routed experts cannot be stored as t3f16"):
+        memory_plan(hf, quant="t3f16")
+
+
+@pytest.mark.parametrize("quant", ["q0f16", "mixed", "experts-q8-shared-float"])
+def test_moe_plan_bytes_equal_the_compiled_models_parameters(quant):
+    """The plan of a 2-layer cut of Qwen3.5-35B-A3B's config (GDN + gated attention, all 256 experts) equals,
+    byte for byte, the
+    parameters the model definition declares for a phone target, per-role formats included."""
+    import dataclasses
+    import math
+
+    import numpy as np
+
+    from pipeline import stages
+    from pipeline.config import ModelSpec, load_model, load_quant, load_target
+    from pipeline.quant.memory_plan import modes_for_scheme
+
+    hf = load_model("qwen3.5-35b-a3b").hf_config
+    text = {**hf["text_config"], "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+    hf = {**hf, "text_config": text}
+    if quant == "experts-q8-shared-float":
+        spec_q = dataclasses.replace(load_quant("q4f16"), formats={"experts": "q8", "shared_expert": "float",
+                                                                   "gate_up_proj": "q8"})
+    else:
+        spec_q = load_quant(quant)
+    defined = stages.define(stages.load(ModelSpec(name="cut", hf_config=hf, weights=None)), spec_q,
+                            load_target("android-adreno"))
     real = sum(math.prod(int(x) for x in p.shape) * np.dtype(p.dtype).itemsize for _, p in defined.params)
     mode, group_modes = modes_for_scheme(spec_q.weight_format, spec_q.weight_dtype, spec_q.formats)
     assert memory_plan(hf, quant=mode, group_modes=group_modes)["weights_total"]["bytes"] == real

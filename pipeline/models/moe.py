@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from pipeline.errors import ConfigError
 from pipeline.formats import FORMAT_BITS, GROUP
 from pipeline.models.layers import FloatLinear, LayerFactory
+from pipeline.models.moe_grouped import moe_grouped_down, moe_grouped_gate_up, moe_sort
 from pipeline.models.moe_kernels import moe_down, moe_gate_up, moe_route, weight_shapes
 
 EXPERT_ROLE = "experts"   # the scheme's `formats` key for the routed experts (float | q4 | q8)
@@ -64,12 +65,17 @@ class StackedExperts(nn.Module):
         return self.weight.dtype if self.fmt == "float" else "float32"
 
 
+SHARED_ROLE = "shared_expert"   # the scheme's `formats` key for the shared expert (else gate_up_proj / down_proj)
+
+
 class SharedExpert(nn.Module):
-    """A dense SwiGLU FFN (fused gate+up like the dense decoder's MLP)."""
+    """A dense SwiGLU FFN (fused gate+up like the dense decoder's MLP). Its format is the scheme's
+    `shared_expert` when given (QUANT=auto plans it apart from the dense roles), else gate_up_proj's / down_proj's."""
 
     def __init__(self, hidden: int, inter: int, make: LayerFactory):
-        self.gate_up_proj = make.linear(hidden, 2 * inter, bias=False, role="gate_up_proj")
-        self.down_proj = make.linear(inter, hidden, bias=False, role="down_proj")
+        own = SHARED_ROLE in (make.formats or {})
+        self.gate_up_proj = make.linear(hidden, 2 * inter, bias=False, role=SHARED_ROLE if own else "gate_up_proj")
+        self.down_proj = make.linear(inter, hidden, bias=False, role=SHARED_ROLE if own else "down_proj")
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -112,19 +118,46 @@ class SparseMoE(nn.Module):
         logits = self.gate(flat)
         if logits.dtype != "float32":
             logits = logits.astype("float32")
-        kw = dict(gpu=self.gpu, max_threads=self.threads)
-        E, k, inter, dtype = self.num_experts, self.top_k, self.inter, self.dtype
-        idx, weight = op.tensor_ir_op(moe_route(E, k, self.norm_topk, **kw), "moe_route", [logits],
+        E, k = self.num_experts, self.top_k
+        idx, weight = op.tensor_ir_op(moe_route(E, k, self.norm_topk, gpu=self.gpu, max_threads=self.threads),
+                                      "moe_route", [logits],
                                       [Tensor.placeholder((n, k), "int32"), Tensor.placeholder((n, k), "float32")])
+        if self.gpu or (isinstance(s, int) and s == 1):   # decode (one token per sequence): gather GEMVs
+            y = self._gathered(flat, idx, weight, n)
+        else:
+            y = self._grouped(flat, idx, weight, n)
+        if self.shared_expert is not None:
+            y = y + op.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return op.reshape(y, (b, s, h))
+
+
+    def _gathered(self, flat: Tensor, idx: Tensor, weight: Tensor, n: Any) -> Tensor:
+        """Each token's k experts on their own (moe_kernels): decode, and prefill on GPU targets."""
+        E, k, inter, h, dtype = self.num_experts, self.top_k, self.inter, self.hidden, self.dtype
+        kw = dict(gpu=self.gpu, max_threads=self.threads)
         gu, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_kernel = moe_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype, **kw)
         down_kernel = moe_down(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype, **kw)
         act = op.tensor_ir_op(gate_up_kernel, "moe_gate_up", [flat, idx, *gu.tensors],
                               Tensor.placeholder((n, k, inter), dtype))
-        y = op.tensor_ir_op(down_kernel, "moe_down", [act, idx, weight, *down.tensors], Tensor.placeholder((n, h), dtype))
-        if self.shared_expert is not None:
-            y = y + op.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return op.reshape(y, (b, s, h))
+        return op.tensor_ir_op(down_kernel, "moe_down", [act, idx, weight, *down.tensors],
+                               Tensor.placeholder((n, h), dtype))
+
+    def _grouped(self, flat: Tensor, idx: Tensor, weight: Tensor, n: Any) -> Tensor:
+        """Prefill on CPU targets: the chunk's slots sorted by expert, each expert's rows read once per chunk
+        (moe_grouped), then the routing-weighted sum over the k slots in fp32."""
+        E, k, inter, h, dtype = self.num_experts, self.top_k, self.inter, self.hidden, self.dtype
+        gu, down = self.experts.gate_up_proj, self.experts.down_proj
+        offsets, order = op.tensor_ir_op(moe_sort(E, k), "moe_sort", [idx],
+                                         [Tensor.placeholder((E + 1,), "int32"), Tensor.placeholder((n * k,), "int32")])
+        act = op.tensor_ir_op(moe_grouped_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype),
+                              "moe_grouped_gate_up", [flat, offsets, order, *gu.tensors],
+                              Tensor.placeholder((n, k, inter), dtype))
+        per_slot = op.tensor_ir_op(
+            moe_grouped_down(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype),
+            "moe_grouped_down", [act, offsets, order, *down.tensors], Tensor.placeholder((n, k, h), "float32"))
+        y = op.sum(per_slot * op.reshape(weight, (n, k, 1)), axis=1)
+        return y if dtype == "float32" else y.astype(dtype)
 
 
 class ExpertsPair(nn.Module):

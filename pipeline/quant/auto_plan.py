@@ -51,6 +51,7 @@ the ~6 GB an iOS app gets.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -60,7 +61,15 @@ from pipeline.formats import FORMATS
 from pipeline.frontend.hf_config import text_config
 from pipeline.quant.convert import TEXT_PREFIXES
 from pipeline.quant.gptq import output_error, quantize_rows
-from pipeline.quant.memory_plan import ROLE_GROUPS, memory_plan, modes_for_scheme, plan_config, tensor_shapes
+from pipeline.quant.memory_plan import (
+    OVERRIDING_ROLES,
+    ROLE_GROUPS,
+    memory_plan,
+    modes_for_scheme,
+    plan_config,
+    read_share,
+    tensor_shapes,
+)
 from pipeline.quant.quantize import dequantize_q4, dequantize_q8, quantize_q4, quantize_q8
 from pipeline.quant.ternary import dequantize_ternary, quantize_ternary
 
@@ -79,11 +88,21 @@ _HF_KEYS = {
     "out_proj": ("linear_attn.out_proj.weight",),
     "lm_head": ("lm_head.weight",),
     "embed_tokens": ("embed_tokens.weight",),
+    # transformers' stacked expert parameters (the sensitivity pass); checkpoints hold them per expert (_EXPERT_CKPT)
+    "experts": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+    "shared_expert": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                      "mlp.shared_expert.down_proj.weight"),
 }
+_EXPERT_CKPT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+# The lowest format a role may take whatever the phone: the routed experts' gather kernels store q4 / q8 / float
+# only (models/moe.py), and post-training ternary experts lose too much (docs/moe.md: 85% top-1 on the toy).
+ROLE_FLOOR = {"experts": "q4"}
 
 
 def role_weights(hf_config: dict) -> dict[str, float]:
-    """W_r: parameters per role, k/v (and GDN q/k) rows counted once per head that reads them."""
+    """W_r: parameters per role, k/v (and GDN q/k) rows counted once per head that reads them, routed experts
+    by the k of E that a token runs through (active parameters). Mixture-of-experts configs plan the shared
+    expert as its own role (`shared_expert`)."""
     cfg = plan_config(hf_config)
     params: dict[str, float] = {}
     for group, shape, count in tensor_shapes(cfg):
@@ -97,9 +116,12 @@ def role_weights(hf_config: dict) -> dict[str, float]:
             key_rows = 2 * lin.key_heads * lin.key_head_dim
             share = lin.value_heads / lin.key_heads
             n = (key_rows * share + shape[0] - key_rows) * shape[1] * count
-        for role, groups in ROLE_GROUPS.items():
-            if group in groups:
-                params[role] = params.get(role, 0.0) + n
+        num, den = read_share(cfg, group) if group != "embedding" else (1, 1)
+        n = n * num / den   # routed experts: the k of E a token runs through carry its error
+        roles = [r for r, groups in ROLE_GROUPS.items() if group in groups]
+        own = [r for r in roles if r in OVERRIDING_ROLES]
+        for role in own[:1] or roles:
+            params[role] = params.get(role, 0.0) + n
     return params
 
 
@@ -111,7 +133,7 @@ def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, c
     how: dict[str, str] = {}
     names = ckpt.names()
     for role in roles:
-        tensors = [n for n in names if n.endswith(_HF_KEYS.get(role, ())) and len(ckpt.shape(n)) == 2][:4]
+        tensors = [n for n in names if _in_role(n, role) and len(ckpt.shape(n)) == 2][:4]
         err = {"b1": 0.0, "t3": 0.0, "q4": 0.0, "q8": 0.0, "rtn_q4": 0.0}
         total = 0.0
         kinds = set()
@@ -142,6 +164,13 @@ def measured_eps(ckpt: Any, roles: list[str], rows: int = 16, blocks: int = 4, c
             out[role] = {**{f: err[f] / total for f in err}, "float": 0.0}
             how[role] = "+".join(sorted(kinds))
     return out, how
+
+
+def _in_role(name: str, role: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to `role` (a routed expert's per-expert tensors to `experts` only)."""
+    if role == "experts":
+        return bool(_EXPERT_CKPT.search(name))
+    return name.endswith(_HF_KEYS.get(role, ())) and ".experts." not in name
 
 
 def checkpoint_params(ckpt: Any) -> int:
@@ -186,10 +215,7 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     if not phone or not phone.get("app_budget_gb"):
         raise ConfigError("QUANT=auto needs the phone's app memory budget", path=None,
                           fix="give the target a phone: {ram_gb, app_budget_gb, bandwidth_gbs} or pass --phone")
-    if text_config(hf_config).is_moe:   # the plan would count all E experts as read per token
-        raise ConfigError(f"QUANT=auto does not plan mixture-of-experts models yet ({model_name}: the memory plan "
-                          "has no active-expert accounting)", path=None,
-                          fix="choose a scheme: --quant q4f16 (experts q4, see docs/moe.md)")
+    moe = text_config(hf_config).is_moe
     budget = float(phone["app_budget_gb"]) * 1e9
     weights = role_weights(hf_config)
     roles = sorted(weights)
@@ -208,7 +234,9 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
 
     cost = {r: {f: eps[r][f] * weights[r] for f in LADDER} for r in roles}
     kl = None
-    if ckpt is not None and calibration is not None and checkpoint_params(ckpt) <= SENSITIVITY_MAX_PARAMS:
+    # the sensitivity pass is not validated on routed experts: MoE plans keep the active-weighted eps
+    if ckpt is not None and calibration is not None and checkpoint_params(ckpt) <= SENSITIVITY_MAX_PARAMS \
+            and not moe:
         kl = calibration.role_sensitivity({r: _HF_KEYS.get(r, ()) for r in roles}, tied=tied)
         for r in roles:
             rtn = eps[r].get("rtn_q4", 0.0)
@@ -226,21 +254,28 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
     formats = {r: "q4" for r in roles}
     total, plan = evaluate(formats)
     steps: list[dict] = []
+    def lowest(r: str) -> str:
+        return max(min_format, ROLE_FLOOR.get(r, min_format), key=LADDER.index)
+
     if total > budget:
-        smallest, small_plan = evaluate({r: min_format for r in roles})
+        smallest, small_plan = evaluate({r: lowest(r) for r in roles})
         if smallest > budget:
             everywhere = ("q4 everywhere" if min_format == "q4" else
                           f"{_FORMAT_NAMES[min_format]} everywhere ({BITS[min_format]} bits/weight)")
+            floored = sorted(r for r in roles if lowest(r) != min_format)
+            if floored:
+                everywhere += " but " + ", ".join(f"{r} {lowest(r)}" for r in floored) + " (their lowest storable)"
             without_kv = smallest - small_plan["contexts"][0]["kv_bytes"]
             raise ConfigError(
-                f"{model_name} does not fit {phone.get('name', 'the phone')}: the smallest plan, {everywhere}, "
+                f"{model_name} does not fit {_phone_name(phone)}: the smallest plan, {everywhere}, "
                 f"needs {smallest / 1e9:.2f} GB at {context} tokens of context ({without_kv / 1e9:.2f} GB without "
                 f"the KV cache; q4 everywhere {total / 1e9:.2f} GB), the app budget is {budget / 1e9:.3g} GB",
-                path=None, fix=("choose a phone with more memory (--phone)"
+                path=None, fix=(f"choose a phone with an app budget of at least {smallest / 1e9:.2f} GB (--phone, "
+                                "configs/phones.yaml)"
                                 + (": no context length fits" if without_kv > budget else " or a shorter context")
                                 + (", or allow lower formats (auto_min_format: b1)" if min_format != "b1" else "")))
         total, plan = _downgrade_until_fits(formats, roles, cost, budget, evaluate, steps, (total, plan),
-                                            floor=LADDER.index(min_format))
+                                            floor={r: LADDER.index(lowest(r)) for r in roles})
     while True:
         best = None
         for r in roles:
@@ -264,25 +299,32 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
             "formats": formats, "steps": steps, "eps_source": source, "eps_measured_as": how,
             "eps": {r: eps[r] for r in roles}, "role_weights": weights,
             "error_model": "predicted-kl" if kl is not None else "weighted-eps",
-            "ternary_roles": sorted(r for r, f in formats.items() if f in BELOW_Q4),
+            "ternary_roles": sorted(r for r, f in formats.items() if f in BELOW_Q4), "role_floor": {
+                r: lowest(r) for r in roles if r in ROLE_FLOOR}, "moe": plan.get("moe"),
             "role_kl_q4_rtn": kl, "cost": cost,
             "weighted_error": error, "weighted_error_all_q4": q4_error,
             "weights_bytes": plan["weights_total"]["bytes"], "plan": plan}
 
 
+def _phone_name(phone: dict) -> str:
+    """The phone as the user named it (--phone NAME) and as the registry describes it."""
+    name = phone.get("name", "the phone")
+    return f"{phone['id']} ({name})" if phone.get("id") and phone["id"] != name else name
+
+
 def _downgrade_until_fits(formats: dict[str, str], roles: list[str], cost: dict, budget: float, evaluate: Any,
-                          steps: list[dict], current: tuple[int, dict], floor: int = 0) -> tuple[int, dict]:
-    """Roles one rung down the ladder from q4 (q4 -> t3 -> b1, never below LADDER[floor]; in `formats`,
+                          steps: list[dict], current: tuple[int, dict], floor: dict[str, int]) -> tuple[int, dict]:
+    """Roles one rung down the ladder from q4 (q4 -> t3 -> b1, never below LADDER[floor[role]]; in `formats`,
     recorded in `steps`) until the plan fits: the cheapest single downgrade that fits, else the least added
-    cost per byte saved. `current`: evaluate(formats), already computed. The caller checked that
-    LADDER[floor] everywhere fits."""
+    cost per byte saved. `current`: evaluate(formats), already computed. The caller checked that every role
+    at its floor fits."""
     total, plan = current
     top = LADDER.index("q4")
     while total > budget:
         options = []
         for r in roles:
             i = LADDER.index(formats[r])
-            if not floor < i <= top:
+            if not floor[r] < i <= top:
                 continue
             lower = LADDER[i - 1]
             t_total, t_plan = evaluate({**formats, r: lower})
@@ -322,6 +364,15 @@ def auto_markdown(result: dict) -> str:
             roles=", ".join(f"{r} ({result['formats'][r]})" for r in result["ternary_roles"])) + "."]
     lines += ["", f"Weights {result['weights_bytes'] / 1e9:.2f} GB; KV cache {ctx['kv_bytes'] / 1e9:.2f} GB; "
               f"total {result['total_bytes'] / 1e9:.2f} GB of {result['budget_bytes'] / 1e9:.1f} GB; "
-              f"predicted decode {ctx['predicted_decode_tok_s']:.2f} tok/s "
-              f"(prediction: {plan['sustained_bandwidth_share']:.0%} of {p.get('bandwidth_gbs')} GB/s)."]
+              f"PREDICTION: decode {ctx['predicted_decode_tok_s']:.2f} tok/s "
+              f"(model: {plan['sustained_bandwidth_share']:.0%} of {p.get('bandwidth_gbs')} GB/s peak / "
+              f"{ctx['decode_bytes_per_token'] / 1e9:.2f} GB read per token = weights read + KV + 2 x state)."]
+    moe = result.get("moe")
+    if moe:
+        lines += ["", f"Mixture of experts: the routed experts are weighted by their active parameters ({moe['top_k']} "
+                  f"of {moe['experts']} per token: the error a token sees), and stored at "
+                  f"{', '.join(f'{r} {f}' for r, f in result['role_floor'].items())} or above (the lowest the gather "
+                  "kernels store; measured on a trained toy MoE, docs/moe.md). Decode reads the active bytes: "
+                  f"{plan['weights_read_per_token']['bytes'] / 1e9:.2f} GB of {result['weights_bytes'] / 1e9:.2f} GB "
+                  "stored."]
     return "\n".join(lines) + "\n"

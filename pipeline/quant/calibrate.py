@@ -43,7 +43,7 @@ from pipeline.config import CalibrationSpec
 from pipeline.errors import ConfigError, WeightsError
 from pipeline.frontend.hf_config import text_config
 from pipeline.quant.convert import FUSED, checkpoint_name
-from pipeline.quant.experts import stacked_from_experts
+from pipeline.quant.experts import expert_slabs
 from pipeline.quant.gptq import prepare
 from pipeline.quant.quantize import dequantize_q4, quantize_q4
 
@@ -309,7 +309,13 @@ class Calibration:
         module.to_empty(device="cpu")
         for name, p in module.named_parameters():
             src = checkpoint_name(self.ckpt, f"{prefix}.{name}")
-            arr = stacked_from_experts(self.ckpt, src) if src not in self.ckpt else self.ckpt.get(src)
+            slabs = expert_slabs(self.ckpt, src) if src not in self.ckpt else None
+            if slabs is not None and len(slabs) == p.shape[0]:   # stacked experts: filled one expert at a time
+                with torch.no_grad():
+                    for e, read in enumerate(slabs):
+                        p[e].copy_(torch.from_numpy(np.ascontiguousarray(read(), np.float32)).reshape(p[e].shape))
+                continue
+            arr = self.ckpt.get(src) if src in self.ckpt else None
             if arr is None:
                 raise WeightsError(f"tensor {src!r} (needed for calibration) is not in the checkpoint",
                                    path=self.ckpt.path, fix="check that the weights belong to this model config")

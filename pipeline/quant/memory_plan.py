@@ -16,6 +16,11 @@ Supported configs
   ``layer_types`` mixes ``linear_attention`` (Gated DeltaNet) and ``full_attention`` (gated
   attention: with ``attn_output_gate`` the q projection is doubled). Only the text model is counted
   (no vision tower, no MTP head).
+* Mixture-of-experts MLPs (``qwen3_moe``, ``qwen3_5_moe``; `frontend.hf_config.Experts`): per sparse layer a
+  router [E, H] (float in the scheme's weight dtype: never quantized, models/moe.py), the E routed experts'
+  stacked gate_up [E, 2I, H] and down [E, H, I] (each expert's rows stored like a linear weight: q4 / q8 /
+  float, never ternary) and, for qwen3_5_moe, a shared expert (gate_up / down linears) with its [1, H] float
+  gate; ``mlp_only_layers`` / ``decoder_sparse_step`` layers keep a dense MLP of ``intermediate_size``.
 
 Model of the numbers
 --------------------
@@ -34,6 +39,12 @@ Weights
 Weights read per decoded token
     All weight bytes except the embedding table, of which only one row is gathered; when the
     embeddings are tied, the lm_head reads the whole embedding matrix, so it is counted once.
+    Mixture-of-experts: of each sparse layer's routed experts only the k = ``num_experts_per_tok``
+    chosen ones are read (the gather kernels index the stacked weights; nothing else of them is touched),
+    so the routed experts count ``k / E`` of their bytes; the router and the shared expert are read
+    whole. This is batch-1 decode with k distinct experts per token (top-k never repeats one); a batch of
+    b sequences reads up to ``min(E, b x k)`` experts per layer, which the plan does not model. The
+    "active" bytes are what the predicted decode speed below divides by.
 KV cache
     ``2 (K and V) x kv_heads x head_dim x bytes(kv_dtype)`` per full-attention layer per token, times
     the context length; ``kv_dtype`` is the scheme's KV-cache precision (fp16 by default; the compute dtype
@@ -82,13 +93,30 @@ TERNARY_MODES = {"t2f16": "t2", "t3f16": "t3", "b1f16": "b1"}
 # A scheme's per-tensor rules name layer roles; these are the plan's tensor groups each role covers.
 ROLE_GROUPS = {
     "embed_tokens": ("embedding",), "lm_head": ("lm_head",), "qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "o_proj": ("attn_o",), "gate_up_proj": ("mlp_gate", "mlp_up"), "down_proj": ("mlp_down",),
+    "o_proj": ("attn_o",),
+    # the shared expert's linears are gate_up_proj / down_proj too (models/moe.py), unless `shared_expert` is given
+    "gate_up_proj": ("mlp_gate", "mlp_up", "shared_expert_gate_up"), "down_proj": ("mlp_down", "shared_expert_down"),
     "in_proj": ("gdn_in_proj_qkv", "gdn_in_proj_z", "gdn_in_proj_b", "gdn_in_proj_a"),
     "out_proj": ("gdn_out_proj",),
+    "experts": ("experts_gate_up", "experts_down"),
+    "shared_expert": ("shared_expert_gate_up", "shared_expert_down"),
 }
+# roles whose format, when given, overrides a general role's for the groups both cover
+OVERRIDING_ROLES = ("shared_expert",)
+# stored as float in the scheme's weight dtype whatever the scheme (the router decides which experts run)
+FLOAT_GROUPS = ("moe_router", "shared_expert_gate")
+EXPERT_GROUPS = ("experts_gate_up", "experts_down")
+# what each tensor group is, for the per-token read breakdown
+PARTS = (("routed experts", EXPERT_GROUPS), ("shared expert", ("shared_expert_gate_up", "shared_expert_down",
+                                                                "shared_expert_gate")),
+         ("router", ("moe_router",)), ("dense MLP", ("mlp_gate", "mlp_up", "mlp_down", "mlp_bias")),
+         ("attention", ("attn_q", "attn_k", "attn_v", "attn_o", "attn_bias", "attn_qk_norm")),
+         ("Gated DeltaNet", ("gdn_in_proj_qkv", "gdn_in_proj_z", "gdn_in_proj_b", "gdn_in_proj_a", "gdn_conv1d",
+                             "gdn_decay", "gdn_norm", "gdn_out_proj")),
+         ("embedding + lm_head", ("embedding", "lm_head")), ("norms", ("norms",)))
 SUSTAINED_BANDWIDTH_SHARE = 0.6
 GDN_CHUNK = 64
-_QK_NORM_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def plan_config(hf_config: dict) -> TextConfig:
@@ -161,14 +189,13 @@ def modes_for_scheme(weight_format: str, weight_dtype: str, formats: dict[str, s
         return {"q4": "q4f16", "q8": "q8f16", "t2": "t2f16", "t3": "t3f16", "b1": "b1f16"}.get(
             fmt, "q0f32" if weight_dtype == "float32" else "q0f16")
 
-    groups = {g: mode(fmt) for role, fmt in formats.items() for g in ROLE_GROUPS.get(role, ())}
+    ordered = sorted(formats.items(), key=lambda rf: rf[0] in OVERRIDING_ROLES)
+    groups = {g: mode(fmt) for role, fmt in ordered for g in ROLE_GROUPS.get(role, ())}
     return mode(weight_format), groups
 
 
 def tensor_shapes(c: TextConfig) -> list[tuple[str, tuple[int, ...], int]]:
     """(group, shape, count) for every weight tensor of the text model."""
-    if c.is_moe:
-        raise ValueError("mixture-of-experts configs are not supported by memory_plan")
     mt = c.model_type or ""
     hidden, inter, vocab, heads, head_dim = c.hidden_size, c.intermediate_size, c.vocab_size, \
         c.num_attention_heads, c.head_dim
@@ -212,14 +239,48 @@ def tensor_shapes(c: TextConfig) -> list[tuple[str, tuple[int, ...], int]]:
             ("gdn_norm", (vd,), n_lin),
             ("gdn_out_proj", (hidden, value_dim), n_lin),
         ]
-    t += [
-        ("mlp_gate", (inter, hidden), n_layers),
-        ("mlp_up", (inter, hidden), n_layers),
-        ("mlp_down", (hidden, inter), n_layers),
-    ]
-    if c.mlp_bias:
-        t += [("mlp_bias", (inter,), 2 * n_layers), ("mlp_bias", (hidden,), n_layers)]
+    n_sparse = sparse_layers(c)
+    n_dense = n_layers - n_sparse
+    if n_dense:
+        t += [
+            ("mlp_gate", (inter, hidden), n_dense),
+            ("mlp_up", (inter, hidden), n_dense),
+            ("mlp_down", (hidden, inter), n_dense),
+        ]
+        if c.mlp_bias:
+            t += [("mlp_bias", (inter,), 2 * n_dense), ("mlp_bias", (hidden,), n_dense)]
+    if n_sparse:
+        e = c.experts
+        t += [
+            ("moe_router", (e.num_experts, hidden), n_sparse),
+            ("experts_gate_up", (2 * e.intermediate_size, hidden), e.num_experts * n_sparse),
+            ("experts_down", (hidden, e.intermediate_size), e.num_experts * n_sparse),
+        ]
+        if e.shared_intermediate_size:
+            shared = e.shared_intermediate_size
+            t += [
+                ("shared_expert_gate_up", (2 * shared, hidden), n_sparse),
+                ("shared_expert_down", (hidden, shared), n_sparse),
+                ("shared_expert_gate", (1, hidden), n_sparse),
+            ]
     return t
+
+
+def sparse_layers(c: TextConfig) -> int:
+    """Layers whose MLP is routed experts (the rest keep a dense MLP)."""
+    if c.experts is None:
+        return 0
+    return sum(c.experts.sparse(i) for i in range(len(c.layer_types)))
+
+
+def read_share(c: TextConfig, group: str) -> tuple[int, int]:
+    """(numerator, denominator) of a group's bytes read per decoded token: k of E for the routed experts,
+    none of an untied embedding (a one-row gather), all of the rest."""
+    if group in EXPERT_GROUPS:
+        return c.experts.top_k, c.experts.num_experts
+    if group == "embedding" and not c.tie_word_embeddings:
+        return 0, 1
+    return 1, 1
 
 
 NORM_GROUPS = ("norms", "attn_qk_norm", "gdn_norm")   # stored in the compute dtype, like activations
@@ -233,13 +294,22 @@ def _weights(t: TextConfig, quant: str, group_modes: dict[str, str] | None = Non
         params = math.prod(shape)
         if group == "gdn_decay":   # A_log / dt_bias stay fp32 in every scheme (exp of A_log overflows fp16)
             nbytes, precision = 4 * params, "float32"
+        elif group in FLOAT_GROUPS:
+            precision = "float32" if quant == "q0f32" else "float16"
+            nbytes = DTYPE_BYTES[precision] * params
+        elif group in EXPERT_GROUPS and mode in TERNARY_MODES:
+            raise ValueError(f"routed experts cannot be stored as {mode} (q4 / q8 / float only, models/moe.py)")
         elif group in NORM_GROUPS and quant != "q0f32":
             nbytes, precision = DTYPE_BYTES[compute_dtype] * params, compute_dtype
         else:
             nbytes, precision = _tensor_bytes(shape, mode)
-        g = groups.setdefault(group, {"params": 0, "bytes": 0, "precision": precision})
+        g = groups.setdefault(group, {"params": 0, "bytes": 0, "precision": precision,
+                                      "read_params": 0, "read_bytes": 0})
         g["params"] += params * count
         g["bytes"] += nbytes * count
+        num, den = read_share(t, group)
+        g["read_params"] += params * count // den * num   # count is a multiple of den (E x sparse layers)
+        g["read_bytes"] += nbytes * count // den * num
         if g["precision"] != precision:
             g["precision"] = "mixed"
     return groups
@@ -269,8 +339,7 @@ def memory_plan(
     kv_b = DTYPE_BYTES[kv_dtype]
     hidden, inter, vocab, heads = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_attention_heads
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
-    tied, types, n_full, n_lin = cfg.tie_word_embeddings, cfg.layer_types, cfg.full_attention_layers, \
-        cfg.linear_attention_layers
+    types, n_full, n_lin = cfg.layer_types, cfg.full_attention_layers, cfg.linear_attention_layers
 
     bad = sorted(set((group_modes or {}).values()) - set(QUANT_MODES))
     if bad:
@@ -278,10 +347,11 @@ def memory_plan(
     groups = _weights(cfg, quant, group_modes, compute_dtype)
     total_params = sum(g["params"] for g in groups.values())
     total_bytes = sum(g["bytes"] for g in groups.values())
-    emb = groups["embedding"]
-    # the embedding is a gather; a tied lm_head reads the embedding matrix once per token
-    read_bytes = total_bytes if tied else total_bytes - emb["bytes"]
-    read_params = total_params if tied else total_params - emb["params"]
+    # the embedding is a gather (a tied lm_head reads the matrix once per token); k of E routed experts
+    read_bytes = sum(g["read_bytes"] for g in groups.values())
+    read_params = sum(g["read_params"] for g in groups.values())
+    read_by_part = {part: sum(groups[g]["read_bytes"] for g in members if g in groups)
+                    for part, members in PARTS if any(g in groups for g in members)}
 
     # KV cache
     kv_per_token = 2 * kv_heads * head_dim * kv_b * n_full
@@ -300,6 +370,18 @@ def memory_plan(
         conv_state = n_lin * conv_dim * (kernel - 1) * act_b
         widths.append(2 * conv_dim + vh * vd + 2 * vh)
         gdn_workspace = vh * prefill_chunk * GDN_CHUNK * 4
+    moe = None
+    if cfg.experts is not None and sparse_layers(cfg):
+        e = cfg.experts
+        # router logits, the k experts' SiLU(gate) * up, the shared expert's gate_up (models/moe.py)
+        widths.append(e.num_experts + e.top_k * e.intermediate_size + 2 * e.shared_intermediate_size)
+        routed = [groups[g] for g in EXPERT_GROUPS]
+        moe = {"experts": e.num_experts, "top_k": e.top_k, "sparse_layers": sparse_layers(cfg),
+               "expert_intermediate_size": e.intermediate_size,
+               "shared_intermediate_size": e.shared_intermediate_size,
+               "routed_params": sum(g["params"] for g in routed), "routed_bytes": sum(g["bytes"] for g in routed),
+               "routed_read_params": sum(g["read_params"] for g in routed),
+               "routed_read_bytes": sum(g["read_bytes"] for g in routed)}
     state_bytes = gdn_state + conv_state
 
     # activations of one prefill chunk
@@ -336,7 +418,8 @@ def memory_plan(
         "weights": groups,
         "splits": _splits(cfg, quant, group_modes, max_buffer_bytes),
         "weights_total": {"params": total_params, "bytes": total_bytes},
-        "weights_read_per_token": {"params": read_params, "bytes": read_bytes},
+        "weights_read_per_token": {"params": read_params, "bytes": read_bytes, "by_part": read_by_part},
+        "moe": moe,
         "kv_cache": {
             "bytes_per_token": kv_per_token,
             "dtype": kv_dtype,
@@ -386,6 +469,27 @@ def _fmt_params(n: int) -> str:
     return f"{n:,}"
 
 
+def _moe_lines(plan: dict) -> list[str]:
+    """The mixture-of-experts paragraph: what is stored against what a decoded token reads, by part."""
+    moe = plan.get("moe")
+    if not moe:
+        return []
+    wr = plan["weights_read_per_token"]
+    lines = ["", "## Mixture of experts: stored vs read per decoded token", "",
+             f"{moe['sparse_layers']} sparse layers of {moe['experts']} routed experts (FFN "
+             f"{moe['expert_intermediate_size']}), {moe['top_k']} per token"
+             + (f", plus a shared expert (FFN {moe['shared_intermediate_size']})"
+                if moe["shared_intermediate_size"] else "")
+             + f". The routed experts hold {_fmt_bytes(moe['routed_bytes'])} "
+             f"({_fmt_params(moe['routed_params'])} params); a decoded token reads the {moe['top_k']} chosen "
+             f"experts' rows, {_fmt_bytes(moe['routed_read_bytes'])} ({moe['top_k']}/{moe['experts']}). "
+             "Batch-1 decode: a batch of b sequences reads up to min(E, b x k) experts per layer.", "",
+             "| part | bytes read per token |", "|---|---:|"]
+    lines += [f"| {part} | {_fmt_bytes(b)} |" for part, b in wr["by_part"].items()]
+    lines.append(f"| **active total** | **{_fmt_bytes(wr['bytes'])}** |")
+    return lines
+
+
 def plan_markdown(plan: dict) -> str:
     """Markdown tables for a plan returned by :func:`memory_plan`."""
     lay = plan["layers"]
@@ -409,6 +513,7 @@ def plan_markdown(plan: dict) -> str:
         *[line for sp in plan.get("splits", []) for line in (
             "", f"Split {sp['group']} ({_fmt_bytes(sp['largest_tensor_bytes'])} in its largest array) into "
                 f"{sp['parts']} parts of {', '.join(str(r) for r in sp['rows'])} rows (reason: {sp['reason']}).")],
+        *_moe_lines(plan),
         "",
         "## Fixed-size state and activations",
         "",
@@ -440,6 +545,8 @@ def plan_markdown(plan: dict) -> str:
             f"{phone['app_budget_gb']} GB, {phone['bandwidth_gbs']} GB/s peak. Decode speeds are "
             f"**predictions** ({plan['sustained_bandwidth_share']:.0%} of peak bandwidth / bytes per "
             "token; roofline = 100%), not measurements."
+            + (" Mixture of experts: bytes/token counts the active weights (the k chosen experts, above), not the "
+               "stored ones." if plan.get("moe") else "")
             + (f" CPU library built for class {phone['cpu_class']}: {phone['cpu_class_description']}."
                if phone.get("cpu_class") else ""),
             "",
