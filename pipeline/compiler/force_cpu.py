@@ -21,6 +21,7 @@ from tvm import relax, tirx
 from pipeline.compiler.backend import backend_for
 from pipeline.errors import ConfigError
 from pipeline.kernels.cpu.schedule import CPUInlineParallel
+from pipeline.kernels.gpu import add_norm
 from pipeline.op_classes import classify, parse_classes
 
 FORCED = "forced"
@@ -55,7 +56,7 @@ def apply(mod: tvm.IRModule, unscheduled: dict[str, tirx.PrimFunc], records: lis
         else:
             out.append(r)
     if pinned and backend_for(target).retargets_forced_kernels:
-        library = [r for r in records if r.name in pinned and r.rule == "library"]
+        library = [r for r in records if r.name in pinned and r.rule == "library" and _own_cpu_body(mod[r.name]) is None]
         if library:
             r = library[0]
             raise ConfigError(f"{r.name} (op class {classify(r.name, mod[r.name])}) is a TVM library kernel that "
@@ -65,12 +66,18 @@ def apply(mod: tvm.IRModule, unscheduled: dict[str, tirx.PrimFunc], records: lis
     return mod, out
 
 
+def _own_cpu_body(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """The CPU form of a pre-scheduled GPU kernel of ours (the fused add + RMSNorm), or None: TVM's library
+    kernels (KV cache, attention) have none, the runtime drives them on the GPU."""
+    return add_norm.cpu_variant(func)
+
+
 def _to_host(mod: tvm.IRModule, unscheduled: dict[str, tirx.PrimFunc], names: list[str], target: tvm.target.Target):
     """Compile `names` for target.host and copy their tensors to / from a CPU virtual device around each call."""
     host = target.host or tvm.target.Target({"kind": "llvm"})
     mod = mod.clone() if hasattr(mod, "clone") else mod
     for name in names:
-        func = unscheduled[name]
+        func = _own_cpu_body(mod[name]) or unscheduled[name]
         with host:
             sch = CPUInlineParallel().apply(func, host, False)
         func = sch.mod["main"] if sch is not None else func
