@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:   # run as a script: import the checkout's benchma
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import llamacpp  # noqa: E402
+from pipeline.artifacts.bundle import file_sha256  # noqa: E402
 
 MARCH = {"dotprod": "armv8.2-a+dotprod", "i8mm": "armv8.2-a+dotprod+i8mm"}
 CROSS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++")
@@ -82,17 +83,9 @@ def missing_tools() -> list[str]:
     return ["g++-aarch64-linux-gnu"] if any(shutil.which(c) is None for c in CROSS) else []
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def build_key(sdist: Path, cls: str) -> str:
     """sdist content + every flag: a different sdist or -march never reuses a build."""
-    text = _sha256(sdist) + "\n" + "\n".join(CMAKE_FLAGS) + "\n" + MARCH[cls]
+    text = file_sha256(sdist) + "\n" + "\n".join(CMAKE_FLAGS) + "\n" + MARCH[cls]
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -23,14 +23,6 @@ class Missing(Exception):
     """A build input (compiler, vendor archive, wheel file) is not on this machine; the message says how to get it."""
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def key(inputs: dict) -> str:
     """A short, stable content key over a JSON-able description of a build's inputs."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]

@@ -37,7 +37,8 @@ if str(Path(__file__).resolve().parents[2]) not in sys.path:   # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from clients.mlc_engine.build import vendor_dir  # noqa: E402
-from clients.native_build import Missing, compile_all, key, log, package_dir, sha256  # noqa: E402
+from clients.native_build import Missing, compile_all, key, log, package_dir  # noqa: E402
+from pipeline.artifacts.bundle import file_sha256  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -79,7 +80,7 @@ def key_inputs(cxx: str) -> dict:
         "recipe": RECIPE,
         "compiler": version,
         "wheel": {p: importlib.metadata.version(p) for p in ("apache-tvm", "apache-tvm-ffi")},
-        "support": sha256(vendor_dir() / SUPPORT_ARCHIVE),
+        "support": file_sha256(vendor_dir() / SUPPORT_ARCHIVE),
         "cxxflags": CXXFLAGS,
         "sources": {"tvm": _sources(tvm_src, RUNTIME_DIRS, LEFT_OUT), "ffi": _sources(ffi_src, FFI_DIRS, FFI_LEFT_OUT)},
     }
@@ -93,7 +94,7 @@ def _complete(folder: Path, name: str) -> Path | None:
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         out = folder / name
-        if out.is_file() and sha256(out) == manifest["sha256"]:
+        if out.is_file() and file_sha256(out) == manifest["sha256"]:
             return out
     except (OSError, ValueError, KeyError):
         pass
@@ -150,7 +151,7 @@ def runtime(jobs: int | None = None) -> Path:
         out.mkdir()
         ar = shutil.which("aarch64-linux-gnu-ar") or "ar"
         subprocess.run([ar, "rcs", str(out / ARCHIVE), *(str(j[3]) for j in jobs_list)], check=True)
-        manifest = {"archive": ARCHIVE, "sha256": sha256(out / ARCHIVE), "inputs": inputs, "left_out":
+        manifest = {"archive": ARCHIVE, "sha256": file_sha256(out / ARCHIVE), "inputs": inputs, "left_out":
                     {**LEFT_OUT, **FFI_LEFT_OUT}, "build_seconds": round(time.perf_counter() - t0, 1)}
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         try:
@@ -176,7 +177,7 @@ def driver(bundle: Path, jobs: int | None = None) -> Path:
     """The bundle's library linked with decode_driver.cc and the runtime into one static aarch64 executable."""
     archive = runtime(jobs)
     tar = library_tar(bundle)
-    folder = archive.parent / "drivers" / key({"tar": sha256(tar), "driver": sha256(DRIVER_SOURCE)})
+    folder = archive.parent / "drivers" / key({"tar": file_sha256(tar), "driver": file_sha256(DRIVER_SOURCE)})
     done = _complete(folder, "decode_driver")
     if done is not None:
         return done
@@ -195,7 +196,7 @@ def driver(bundle: Path, jobs: int | None = None) -> Path:
         if r.returncode != 0:
             log("\n".join(r.stderr.strip().splitlines()[-40:]))
             raise SystemExit(f"aarch64-vm: linking {tar.name} with the driver failed (above)")
-        (exe.parent / "manifest.json").write_text(json.dumps({"sha256": sha256(exe), "library": str(tar)}) + "\n")
+        (exe.parent / "manifest.json").write_text(json.dumps({"sha256": file_sha256(exe), "library": str(tar)}) + "\n")
         folder.parent.mkdir(parents=True, exist_ok=True)
         try:
             exe.parent.rename(folder)

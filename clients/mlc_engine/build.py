@@ -43,7 +43,7 @@ from clients.native_build import compile_all as _compile_all
 from clients.native_build import key as _key
 from clients.native_build import log as _log
 from clients.native_build import package_dir as _package_dir
-from clients.native_build import sha256 as _sha256
+from pipeline.artifacts.bundle import file_sha256 as _sha256
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
