@@ -94,19 +94,19 @@ def measure_ours(quant: str, threads_list: list[int], work: Path, log=print, ker
 
     bundle = ours.build_bundle(quant, work / "dist")
     weights = sum(r["nbytes"] for r in json.loads((bundle / "tensor-cache.json").read_text())["records"])
+    mod = ours.final_module(quant)     # what the library was compiled from (minutes: computed once)
     out = {"weights_bytes": weights, "threads": whole.measure(bundle, threads_list, log),
-           "gemv": standalone_gemvs(quant, bundle, log)}
+           "gemv": standalone_gemvs(quant, mod, bundle, log)}
     if kernels:
-        out["kernels"] = kernel_breakdown(quant, bundle, threads_list[0], log)
+        out["kernels"] = kernel_breakdown(quant, mod, bundle, threads_list[0], log)
     return out
 
 
-def standalone_gemvs(quant: str, bundle: Path, log=print) -> dict:
+def standalone_gemvs(quant: str, mod, bundle: Path, log=print) -> dict:
     """The decode GEMV kernels run one by one in the harness (1 thread), times their calls per decode step:
     inside the whole program they are merged into the CPU regions with the norms and activations."""
     from benchmarks import phone_cpu_ours as ours
 
-    mod = ours.final_module(quant)
     coverage = json.loads((bundle / "reports" / "coverage.json").read_text())
     calls_of = {k["name"]: k["decode_step"]["calls"] for k in coverage["kernels"]}
     rng = np.random.default_rng(0)
@@ -118,12 +118,11 @@ def standalone_gemvs(quant: str, bundle: Path, log=print) -> dict:
         return ours.measure_step(exe, prefix, ranges, calls, log)
 
 
-def kernel_breakdown(quant: str, bundle: Path, threads: int, log=print) -> dict:
+def kernel_breakdown(quant: str, mod, bundle: Path, threads: int, log=print) -> dict:
     from benchmarks import phone_cpu_ours as ours
     from pipeline.config import load_model
     from pipeline.stages import load
 
-    mod = ours.final_module(quant)
     decoder = load(load_model(ours.MODEL)).decoder
     with tempfile.TemporaryDirectory(prefix="phone-cpu-") as tmp:
         exe, prefix, ranges = ours.link_harness(bundle, threads, Path(tmp))

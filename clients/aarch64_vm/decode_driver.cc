@@ -139,26 +139,34 @@ struct Session {
   Module vm;
   Array<Tensor> params;
   std::vector<Any> states;  // KV cache, then (hybrid) the RNN state
+  // looked up once, as an app runtime does: not per step inside the counted decode
+  Function embed, prefill, decode, begin_forward, end_forward;
 
-  explicit Session(Module vm) : vm(std::move(vm)) {}
+  explicit Session(Module vm)
+      : vm(std::move(vm)),
+        embed(Entry(this->vm, "embed")),
+        prefill(Entry(this->vm, "prefill")),
+        decode(Entry(this->vm, "decode")),
+        begin_forward(Global("vm.builtin.kv_state_begin_forward")),
+        end_forward(Global("vm.builtin.kv_state_end_forward")) {}
 
   /*! Embed `ids`, run `fn` over them (begin / end forward around it), return the last position's logits
    * (none when `read_logits` is false). */
-  std::vector<float> Forward(const char* fn, const std::vector<int32_t>& ids, bool read_logits = true) {
+  std::vector<float> Forward(const Function& fn, const std::vector<int32_t>& ids, bool read_logits = true) {
     int64_t n = static_cast<int64_t>(ids.size());
     Tensor tokens = Tensor::Empty(Shape({n}), DLDataType{kDLInt, 32, 1}, kCPU);
     tokens.CopyFromBytes(ids.data(), ids.size() * sizeof(int32_t));
-    Tensor emb = Entry(vm, "embed")(tokens, params).cast<Tensor>();
+    Tensor emb = embed(tokens, params).cast<Tensor>();
     Tensor first = emb.CreateView(Shape({1, n, emb->shape[emb->ndim - 1]}), emb->dtype);
-    for (const Any& s : states) Global("vm.builtin.kv_state_begin_forward")(s, Shape({0}), Shape({n}));
+    for (const Any& s : states) begin_forward(s, Shape({0}), Shape({n}));
     std::vector<tvm::ffi::AnyView> args{first};
     for (const Any& s : states) args.push_back(s);
     args.push_back(params);
     Any result;
-    Entry(vm, fn).CallPacked(args.data(), static_cast<int>(args.size()), &result);
+    fn.CallPacked(args.data(), static_cast<int>(args.size()), &result);
     Array<Any> outs = result.cast<Array<Any>>();
     for (size_t i = 0; i < states.size(); ++i) states[i] = outs[i + 1];
-    for (const Any& s : states) Global("vm.builtin.kv_state_end_forward")(s);
+    for (const Any& s : states) end_forward(s);
     return read_logits ? LastLogits(outs[0].cast<Tensor>()) : std::vector<float>();
   }
 };
@@ -213,14 +221,14 @@ int main(int argc, char** argv) {
   if (std::strcmp(logits_path, "-") == 0) {  // benchmark mode: the library's and the runtime's work only
     for (size_t start = 0; start < prompt.size(); start += chunk) {
       size_t end = std::min(prompt.size(), start + static_cast<size_t>(chunk));
-      s.Forward("prefill", std::vector<int32_t>(prompt.begin() + start, prompt.begin() + end), false);
+      s.Forward(s.prefill, std::vector<int32_t>(prompt.begin() + start, prompt.begin() + end), false);
     }
-    for (int step = 0; step < steps; ++step) s.Forward("decode", {prompt.back()}, false);
+    for (int step = 0; step < steps; ++step) s.Forward(s.decode, {prompt.back()}, false);
     return 0;
   }
   for (size_t start = 0; start < prompt.size(); start += chunk) {
     size_t end = std::min(prompt.size(), start + static_cast<size_t>(chunk));
-    logits = s.Forward("prefill", std::vector<int32_t>(prompt.begin() + start, prompt.begin() + end));
+    logits = s.Forward(s.prefill, std::vector<int32_t>(prompt.begin() + start, prompt.begin() + end));
   }
   FILE* flog = std::fopen(logits_path, "wb");
   FILE* fids = std::fopen(out_ids_path, "w");
@@ -232,7 +240,7 @@ int main(int argc, char** argv) {
   for (int step = 0; step < steps; ++step) {
     int next = Argmax(logits);
     std::fprintf(fids, "%d\n", next);
-    logits = s.Forward("decode", {forced.empty() ? next : forced[step]});
+    logits = s.Forward(s.decode, {forced.empty() ? next : forced[step]});
     std::fwrite(logits.data(), sizeof(float), logits.size(), flog);
   }
   std::fclose(flog);

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,6 @@ def decode(bundle: Path, ids: list[int], steps: int, threads: int = 1, forced: l
            qemu_args: list[str] | None = None, timeout: float = 1800) -> Decoded:
     """Prefill `ids` and decode `steps` greedy tokens with the bundle's library under qemu-aarch64; `forced`:
     feed these ids at the steps instead (teacher forcing; `ids` of the result are still each step's argmax)."""
-    import time
     if shutil.which(QEMU) is None:
         raise Missing(f"{QEMU} not found; run `make system-deps` (Debian: apt-get install qemu-user)")
     exe = build.driver(bundle)
