@@ -15,6 +15,11 @@ On LLVM (CPU) targets, TVM's script-written KV-cache kernels come without `tirx.
 function in the module makes LLVM leave every other kernel of the library unvectorized: SmolLM2's decode
 GEMV went from 0.14 ms compiled alone to 3.5 ms compiled beside `tree_attn_paged_kv_cpu`. Their buffer
 arguments are distinct tensors (pages, queries, outputs, position maps), so they are marked noalias too.
+
+TVM's KV append (`tir_kv_cache_transpose_append`) tests `position_map[token] != -1` outside its block, so
+once the GPU schedule fuses (token, head, element) over 256-wide work-groups, the work-items past the last
+element read `position_map` beyond its end before the bounds check (Oclgrind: one invalid read per such
+work-item of every prefill and decode step). `bounded_transpose_append` checks the bound first.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import tvm
 from tvm.script import tirx as T
 
 RACY_MERGE_STATE = ("tir_attention_merge_state", "tir_attention_merge_state_mla")
+UNBOUNDED_APPEND = "tir_kv_cache_transpose_append"
 THREADS = 32   # work-items per head, striding over the head dimension
+APPEND_THREADS = 256   # work-items per work-group of the KV append: one element of K and of V each
 
 
 def race_free_merge_state(v_dtype: str, threads: int = THREADS):
@@ -65,6 +72,56 @@ def race_free_merge_state(v_dtype: str, threads: int = THREADS):
     return merge_state
 
 
+def bounded_transpose_append(h_kv: int, d: int, dtype: str, page_size: int = 16):
+    """Copy each new token's K and V into its page slot (position -1: not stored), one work-item per
+    (token, head, element), the bounds check before any read. Signature of TVM's kernel."""
+
+    @T.prim_func(s_tir=True)
+    def tir_kv_cache_transpose_append(var_pages: T.handle, var_k_data: T.handle, var_v_data: T.handle,
+                                      var_position_map: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        ntoken = T.int64()
+        num_pages = T.int64()
+        pages_elem_offset = T.int64()
+        position_map_elem_offset = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, h_kv, page_size, d), dtype, elem_offset=pages_elem_offset)
+        k_data = T.match_buffer(var_k_data, (ntoken, h_kv, d), dtype)
+        v_data = T.match_buffer(var_v_data, (ntoken, h_kv, d), dtype)
+        position_map = T.match_buffer(var_position_map, (ntoken,), "int32", elem_offset=position_map_elem_offset)
+        for bx in T.thread_binding(T.ceildiv(ntoken * (h_kv * d), APPEND_THREADS), thread="blockIdx.x"):
+            for tx in T.thread_binding(APPEND_THREADS, thread="threadIdx.x"):
+                with T.sblock("append"):
+                    T.reads()
+                    T.writes()
+                    i: T.let[T.int64] = bx * APPEND_THREADS + tx
+                    if i < ntoken * (h_kv * d):
+                        t: T.let[T.int64] = i // (h_kv * d)
+                        h: T.let[T.int64] = i % (h_kv * d) // d
+                        f: T.let[T.int64] = i % d
+                        position: T.let[T.int32] = position_map[t]
+                        if position != -1:
+                            pages[T.floordiv(position, page_size), 0, h, T.floormod(position, page_size), f] = \
+                                k_data[t, h, f]
+                            pages[T.floordiv(position, page_size), 1, h, T.floormod(position, page_size), f] = \
+                                v_data[t, h, f]
+
+    return tir_kv_cache_transpose_append
+
+
+def _append_shapes(func: tvm.tirx.PrimFunc) -> tuple[int, int, int] | None:
+    """(KV heads, head size, page size) of TVM's append when its shapes are static and as expected."""
+    if len(func.params) != 4:
+        return None
+    pages, k = func.params[:2]
+    try:
+        pd, kd = [int(x) for x in pages.shape[1:]], [int(x) for x in k.shape[1:]]
+    except TypeError:
+        return None
+    if pd[0] != 2 or pd[1] != kd[0] or pd[3] != kd[1]:
+        return None
+    return kd[0], kd[1], pd[2]
+
+
 @tvm.transform.module_pass(opt_level=0, name="MarkNoAlias")
 def mark_noalias(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Give the PrimFuncs that lack it `tirx.noalias` when compiling for an LLVM target (see above)."""
@@ -79,11 +136,22 @@ def mark_noalias(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 @tvm.transform.module_pass(opt_level=0, name="ReplaceRacyKernels")
 def replace_racy_kernels(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Swap the GPU merge-state kernels for race_free_merge_state (same name, signature and attributes)."""
+    """Swap the GPU merge-state kernels for race_free_merge_state and TVM's KV append for
+    bounded_transpose_append (same name, signature and attributes). LLVM targets keep theirs (their KV append
+    is replaced by kernels/cpu/attention.py)."""
+    target = tvm.target.Target.current(allow_none=True)
+    gpu = target is not None and target.kind.name != "llvm"
     for gv, func in list(mod.functions_items()):
-        if gv.name_hint not in RACY_MERGE_STATE or not isinstance(func, tvm.tirx.PrimFunc):
+        if not isinstance(func, tvm.tirx.PrimFunc):
             continue
-        fixed = race_free_merge_state(str(func.params[0].dtype))
+        shapes = _append_shapes(func) if gv.name_hint == UNBOUNDED_APPEND and gpu else None
+        if shapes is not None:
+            h_kv, d, page_size = shapes
+            fixed = bounded_transpose_append(h_kv, d, str(func.params[1].dtype), page_size)
+        elif gv.name_hint in RACY_MERGE_STATE:
+            fixed = race_free_merge_state(str(func.params[0].dtype))
+        else:
+            continue
         for key, value in func.attrs.items():
             fixed = fixed.with_attr(key, value)
         mod[gv] = fixed
