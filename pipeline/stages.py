@@ -256,11 +256,12 @@ def tune(mod: Any, target: TargetSpec):
 
 
 def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec,
-          report: Reporter, force_cpu: str | None = None, verify: bool | None = None) -> tuple[Path, dict[str, Any]]:
+          report: Reporter, force_cpu: str | None = None,
+          verify: bool | str | None = None) -> tuple[Path, dict[str, Any]]:
     """fuse + tune + compile, cached by a key over everything the library depends on.
 
     `force_cpu`: comma-separated op classes pinned to the CPU on top of the target's `force_cpu`.
-    `verify`: run the kernels on PoCL (None: the target's `verify_kernels`)."""
+    `verify`: run the kernels on PoCL (None: the target's `verify_kernels`; "oclgrind": then under Oclgrind)."""
     meta = defined.module.metadata(quant.name, defined.params)
     meta["activation_dtype"] = defined.activation_dtype
     meta["weight_layout"] = defined.layout
@@ -484,12 +485,13 @@ def _check_out(out: Path) -> None:
 
 def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = None, out: str = "dist",
                  report: Reporter | None = None, phone: str | dict | None = None,
-                 force_cpu: str | None = None, verify: bool | None = None,
+                 force_cpu: str | None = None, verify: bool | str | None = None,
                  calibration: str | None = None, kv_cache: str | None = None,
                  runtime: str | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
     and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py).
-    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`).
+    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`; "oclgrind": PoCL,
+    then the same kernels under Oclgrind).
     `calibration`: none | builtin | a text file, replacing the scheme's calibration text (see calibrate.py).
     `kv_cache`: auto | float16 | float32, replacing the scheme's KV-cache precision.
     `runtime`: the app runtime contract (configs/runtimes/) replacing the target's `runtime`."""

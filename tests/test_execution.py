@@ -118,3 +118,35 @@ def test_gpu_bound_gdn_kernels_run_against_their_cpu_variant(kind):
     other = builder(2, 4, 16, 24, scale=0.5)      # the reference of a kernel with another q scale
     assert "MISMATCH" in execution.run_kernel(name, gpu, tvm_target, rules, reference=other)
     assert "no CPU variant" in execution.run_kernel(name, gpu, tvm_target, rules)
+
+
+@pytest.mark.slow     # ~2-4 min: the PoCL twin run, then every twin kernel under Oclgrind
+@needs_pocl
+def test_adreno_build_with_oclgrind_prints_its_verdict(tiny_llama, tmp_path):
+    from pipeline.verify.oclgrind_build import KNOWN_TVM, missing
+
+    if missing():
+        pytest.skip(missing())
+    bundle = _build(tiny_llama, tmp_path, verify="oclgrind")
+    cov = json.loads((bundle / "reports" / "coverage.json").read_text())
+    o = cov["summary"]["execution"]["oclgrind"]
+    assert o["races"] == o["out_of_bounds"] == o["uninitialised"] == o["other"] == 0, o
+    assert set(o["known_tvm"]) <= set(KNOWN_TVM) and not o["failed"] and o["run"] >= 20, o
+    ran = [r for r in cov["kernels"] if r["executed"].startswith("executed here (PoCL")]
+    assert ran and all("; Oclgrind: " in r["executed"] for r in ran), [r["executed"] for r in ran]
+    assert sum("Oclgrind: no report" in r["executed"] for r in ran) >= len(ran) - len(o["known_tvm"])
+    md = (bundle / "reports" / "coverage.md").read_text()
+    assert f"Oclgrind: {o['run']} of {o['kernels']} twin kernels checked" in md
+
+
+def test_oclgrind_needs_an_opencl_target_and_the_pocl_run(monkeypatch):
+    """--oclgrind on a target without OpenCL kernels, or without Oclgrind installed: one line, before any work."""
+    from pipeline.config import load_target
+    from pipeline.errors import ConfigError
+    from pipeline.verify import oclgrind_build
+
+    with pytest.raises(ConfigError, match="--oclgrind checks OpenCL kernels and android-cpu has none"):
+        execution.verify_mode(load_target("android-cpu"), "oclgrind", 0)
+    monkeypatch.setattr(oclgrind_build, "oclgrind_library", lambda: None)
+    with pytest.raises(ConfigError, match="Oclgrind is not installed.* fix: make system-deps"):
+        execution.verify_mode(load_target("android-adreno"), "oclgrind", 0)

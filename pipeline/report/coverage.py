@@ -498,6 +498,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Executed here: {e['executed']} of {s['kernels']} kernels ({e['how']}); "
                   f"{e['not_executed']} compiled, not executed (reason per kernel below)."
                   + (f" MISMATCH vs LLVM: {', '.join(e['mismatched'])}." if e["mismatched"] else "")]
+        if "oclgrind" in e:
+            lines += ["", oclgrind_line(e["oclgrind"]) + "."]
     if "dot_code" in s:
         lines += ["", _dot_code_line(s["dot_code"])]
     big = report.get("largest_parameter")
@@ -584,3 +586,15 @@ def write_coverage(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, P
     js.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     md.write_text(to_markdown(report))
     return js, md
+
+
+def oclgrind_line(summary: dict[str, Any]) -> str:
+    """The build's Oclgrind verdict (verify/oclgrind_build.py) in one line: printed and in coverage.md."""
+    s = summary
+    found = (f"{s['races']} data races, {s['out_of_bounds']} out-of-bounds accesses, "
+             f"{s['uninitialised']} uninitialised reads" + (f", {s['other']} other reports" if s["other"] else ""))
+    known = (f"; known TVM findings: {', '.join(f'{n} ({c})' for n, c in s['known_tvm'].items())}"
+             if s["known_tvm"] else "")
+    failed = f"; could not run: {', '.join(s['failed'])}" if s["failed"] else ""
+    return (f"Oclgrind: {s['run']} of {s['kernels']} twin kernels checked in {s['seconds']} s: {found}"
+            f"{known}{failed}")

@@ -34,6 +34,7 @@ from pipeline.compiler.backend import backend_for
 from pipeline.compiler.fuse import fusion_passes
 from pipeline.compiler.schedule import schedule_module
 from pipeline.config import ROOT, load_target
+from pipeline.errors import ConfigError
 from pipeline.kernels.cpu import rope as cpu_rope
 from pipeline.kernels.gpu import add_norm
 from pipeline.kernels.npu.hvx_int8_matmul import INT8_RULES as HVX_INT8_RULES
@@ -474,6 +475,16 @@ def verify_mode(target: Any, verify: bool | None, weight_bytes: int) -> str | bo
         verify = bool(target.verify_kernels)
         if verify and weight_bytes > AUTO_VERIFY_MAX_BYTES:
             return "too-big"
+    if verify == "oclgrind":   # PoCL, then the same kernels under Oclgrind (verify/oclgrind_build.py)
+        from pipeline.verify.oclgrind_build import missing
+
+        if not backend_for(target).verifies_on_opencl:
+            raise ConfigError(f"--oclgrind checks OpenCL kernels and {target.name} has none",
+                              path=f"targets/{target.name}.yaml", fix="build android-adreno with OCLGRIND=1")
+        if missing() or verify_opencl.find_opencl_device() is None:
+            raise ConfigError(f"--oclgrind: {missing() or 'no OpenCL device for the PoCL run before it'}",
+                              fix="make system-deps (installs oclgrind, pocl-opencl-icd)")
+        return "pocl+oclgrind"
     if verify and backend_for(target).kind == "npu":
         return "qemu-hexagon" if not missing_tools() else "no-qemu-hexagon"
     if not verify or not backend_for(target).verifies_on_opencl:
@@ -485,7 +496,7 @@ def record_execution(coverage: dict[str, Any], mod: Any, loaded: Any, quant: Any
                      schedules: list[Any], verify: Any, report: Any) -> None:
     """The coverage report's "executed here" column, from actual runs (`verify` from verify_mode)."""
     twin = None
-    if verify == "pocl" and verify_opencl.find_opencl_device() is not None:
+    if verify in ("pocl", "pocl+oclgrind") and verify_opencl.find_opencl_device() is not None:
         with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
             twin = twin_module(loaded, quant, target)
             reference = reference_module(loaded, quant)
@@ -497,9 +508,21 @@ def record_execution(coverage: dict[str, Any], mod: Any, loaded: Any, quant: Any
                     f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
     else:
         verdict, summary = verdicts(target, schedules, verify)
+    if twin is not None and verify == "pocl+oclgrind":
+        from pipeline.report.coverage import oclgrind_line
+        from pipeline.verify.oclgrind_build import oclgrind_verdicts
+
+        with report.step("run the twin's kernels under Oclgrind (races, bounds, uninitialised reads)"):
+            found, summary["oclgrind"] = oclgrind_verdicts(twin, target)
+        verdict = {n: f"{v}; {found[n]}" if n in found and v.startswith("executed here") else v
+                   for n, v in verdict.items()}
+        report.info(oclgrind_line(summary["oclgrind"]))
     annotate(coverage, verdict, summary)
     if twin is not None:
         report.info(f"executed here: {summary['executed']} of {len(verdict)} kernels on PoCL "
                     f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
+        if verify != "pocl+oclgrind":
+            report.info("Oclgrind: not run (OCLGRIND=1 / --oclgrind runs the twin's kernels under its race, "
+                        "bounds and uninitialised-read checks: minutes)")
     if summary["mismatched"]:
         report.info(f"[yellow]warning:[/] kernels differ from LLVM on PoCL: {', '.join(summary['mismatched'])}")

@@ -1,0 +1,113 @@
+"""The build's Oclgrind pass (`--oclgrind`, `make build OCLGRIND=1`): the fp32 twin's GPU kernels again,
+under Oclgrind's data-race, out-of-bounds and uninitialised-read checks.
+
+PoCL (execution.py) shows that a kernel computes the right numbers on one driver; it runs the work-items of
+a work-group one after another, so a race or a read past a buffer can still give them. Oclgrind checks every
+access of the same OpenCL C (verify/oclgrind.py). Here every twin kernel that PoCL runs gets the same kind of
+inputs (in-range integers: token ids and row positions below the prompt length) and runs under Oclgrind in one
+child process; the verdict is appended to the kernel's "executed here" cell and summed up in one line.
+
+Not on by default: Oclgrind interprets every work-item, so SmolLM2's twin (one layer, its 49152-row lm_head
+GEMV and prefill matmuls included) takes minutes; the kernels at test shapes are checked in the test suite
+(tests/test_oclgrind.py) whatever the build does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import tirx
+
+from pipeline.compiler.schedule import schedule_module
+from pipeline.verify.execution import (
+    GPU_BOUND_LIBRARY,
+    KV_DRIVEN,
+    MAX_ARG_BYTES,
+    SEQ_LEN,
+    attention_heads,
+    gated_delta_inputs,
+    kv_args,
+    random_args,
+)
+from pipeline.verify.oclgrind import oclgrind_library, run_under_oclgrind
+
+# TVM kernels with a known finding (docs/verification.md): reported, not counted against the build's own.
+KNOWN_TVM = {"batch_tree_attn": "TVM's tree attention (speculative decoding only) reads the tree mask for "
+                                "its last tile's padding rows",
+             "tree_attn_paged_kv": "TVM's tree attention (speculative decoding only) reads the tree mask for "
+                                   "its last tile's padding rows"}
+TIMEOUT_S = 3600
+
+
+def missing() -> str | None:
+    """Why the pass cannot run here, or None."""
+    if oclgrind_library() is None:
+        return "Oclgrind is not installed (Debian package `oclgrind`; `make system-deps` installs it)"
+    return None
+
+
+def twin_cases(twin: Any, target: Any) -> tuple[Any, dict[str, list[np.ndarray]], dict[str, str]]:
+    """(the twin's kernels scheduled for the target, {kernel: inputs}, {kernel: why it is not run})."""
+    heads = attention_heads(twin)
+    rules = tuple(target.schedule_rules)
+    funcs, cases, skipped = {}, {}, {}
+    for gv, func in twin.functions_items():
+        name = gv.name_hint
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        rng = np.random.default_rng(0)
+        try:
+            if any(k in name for k in KV_DRIVEN):
+                args = [np.asarray(a) for a in kv_args(name, func, rng, heads)]
+            else:
+                args = random_args(func, rng, {"seq_len": SEQ_LEN, "n": SEQ_LEN})
+                # ids and row positions below the prompt length: whatever they index stays in bounds
+                args = [np.random.default_rng(1).integers(0, SEQ_LEN, a.shape).astype(a.dtype)
+                        if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
+                if name in GPU_BOUND_LIBRARY:
+                    args = gated_delta_inputs(args)
+        except KeyError as err:
+            skipped[name] = f"symbolic size {err.args[0]} has no test value here"
+            continue
+        if sum(a.nbytes for a in args if isinstance(a, np.ndarray)) > MAX_ARG_BYTES:
+            skipped[name] = "too large to run here"
+            continue
+        func = func.with_attr("global_symbol", name)
+        scheduled, _ = schedule_module(tvm.IRModule({name: func}), target.tvm(), rules, "gpu")
+        funcs[name], cases[name] = scheduled[name], args
+    return tvm.IRModule(funcs), cases, skipped
+
+
+def oclgrind_verdicts(twin: Any, target: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """({kernel: Oclgrind's verdict}, summary) for the twin's kernels."""
+    t0 = time.time()
+    mod, cases, skipped = twin_cases(twin, target)
+    run = run_under_oclgrind(mod, dict(target.tvm_target), cases, timeout=TIMEOUT_S)
+    out = {n: f"Oclgrind: not run ({why})" for n, why in skipped.items()}
+    counts = {"races": 0, "out_of_bounds": 0, "uninitialised": 0, "other": 0}
+    known: dict[str, int] = {}
+    for name in cases:
+        if name in run.failed:
+            out[name] = f"Oclgrind: could not run ({run.failed[name]})"
+            continue
+        reports = run.reports.get(name, {})
+        if not reports:
+            unchecked = f"; not checked: {run.unchecked[name]}" if name in run.unchecked else ""
+            out[name] = f"Oclgrind: no report{unchecked}"
+            continue
+        total = sum(reports.values())
+        out[name] = f"Oclgrind: {total} reports ({'; '.join(sorted(reports))})"
+        if name in KNOWN_TVM:
+            known[name] = total
+            out[name] += f", known: {KNOWN_TVM[name]}"
+            continue
+        for kind, n in reports.items():
+            key = ("races" if "race" in kind.lower() else "out_of_bounds" if "invalid" in kind.lower()
+                   else "uninitialised" if "uninitialized" in kind.lower() else "other")
+            counts[key] += n
+    summary = {"run": len(cases) - len(run.failed), "kernels": len(cases) + len(skipped), **counts,
+               "known_tvm": known, "failed": sorted(run.failed), "seconds": round(time.time() - t0)}
+    return out, summary
