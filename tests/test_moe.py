@@ -223,26 +223,42 @@ def _run(func, inputs, outputs):
     return [o.numpy() for o in outs]
 
 
-@pytest.mark.parametrize("fmt", ["float", "q4", "q8"])
+def _stored(fmt: str, w: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """A stacked expert weight [E, rows, K] as the build stores it (each expert's rows quantized like a dense
+    layer's: quantize.py / ternary.py, NK) -> (the kernel's weight arguments, the dequantized weight, fp32)."""
+    from pipeline.quant.ternary import dequantize_ternary, quantize_ternary
+
+    if fmt == "float":
+        return [w], w
+    rows = w.reshape(-1, w.shape[-1])
+    if fmt in ("q4", "q8"):
+        quant, dequant = (quantize_q4, dequantize_q4) if fmt == "q4" else (quantize_q8, dequantize_q8)
+        codes, scales = quant(rows)
+        deq = dequant(codes, scales)
+    else:
+        codes, scales = quantize_ternary(rows, fmt)
+        deq = dequantize_ternary(codes, scales, fmt, w.shape[-1])
+    args = [a.reshape(*w.shape[:2], -1) for a in (codes, scales)]
+    return args, np.asarray(deq, np.float32).reshape(w.shape)
+
+
+SLOW = pytest.mark.slow
+# t3 (base-3 bytes, padded words) in the default suite; t2 / b1 read words the same way: slow (~2.5 s each)
+SIGN_FORMATS = [pytest.param("t2", marks=SLOW), "t3", pytest.param("b1", marks=SLOW)]
+
+
+@pytest.mark.parametrize("fmt", ["float", "q4", "q8", *SIGN_FORMATS])
 def test_gather_kernels_match_numpy(fmt):
     """Router (softmax, top-2, renormalised or not) and the two gather GEMVs vs a float64 NumPy MoE whose
-    experts are the kernels' dequantized weights: indices exact, outputs within fp32 rounding."""
+    experts are the kernels' dequantized weights (ternary / binary: quant/ternary.dequantize_ternary of the
+    dense layers' packing): indices exact, outputs within fp32 rounding. K = 64 / 32 is shorter than one
+    sign group of 128 and (t3) not a multiple of 20: the short group and the padded word are read."""
     E, inter, hidden, k, n = 8, 32, 64, 2, 5
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     router = rng.standard_normal((E, hidden)).astype(np.float32)
-    gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
-    down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
-    if fmt == "float":
-        gu_args, down_args = [gate_up], [down]
-    else:
-        quant, dequant = (quantize_q4, dequantize_q4) if fmt == "q4" else (quantize_q8, dequantize_q8)
-        cg, sg = quant(gate_up.reshape(-1, hidden))
-        cd, sd = quant(down.reshape(-1, inter))
-        gate_up = dequant(cg, sg).reshape(gate_up.shape)
-        down = dequant(cd, sd).reshape(down.shape)
-        gu_args = [cg.reshape(E, 2 * inter, -1), sg.reshape(E, 2 * inter, -1)]
-        down_args = [cd.reshape(E, hidden, -1), sd.reshape(E, hidden, -1)]
+    gu_args, gate_up = _stored(fmt, (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32))
+    down_args, down = _stored(fmt, (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32))
     for norm in (True, False):
         want, want_idx = moe_reference(x, router, gate_up, down, k, norm)
         idx, weight = _run(moe_route(E, k, norm), [x @ router.T], [((n, k), "int32"), ((n, k), "float32")])
@@ -253,7 +269,7 @@ def test_gather_kernels_match_numpy(fmt):
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (fmt, norm)
 
 
-@pytest.mark.parametrize("fmt", ["float", "q4", "q8"])
+@pytest.mark.parametrize("fmt", ["float", "q4", "q8", *SIGN_FORMATS])
 def test_grouped_kernels_match_the_gather_kernels(fmt):
     """Prefill grouped by expert (moe_grouped: counting sort, one pass per expert row over its tokens) gives the
     gather kernels' numbers: the sort lists every slot once, ascending within each expert; the per-slot outputs
@@ -273,11 +289,7 @@ def test_grouped_kernels_match_the_gather_kernels(fmt):
     assert offsets[5] == offsets[6] and offsets[-1] == n * K
     for e in range(E):
         np.testing.assert_array_equal(order[offsets[e]:offsets[e + 1]], np.flatnonzero(flat == e))
-    gu_args, dn_args = [gu], [dn]
-    if fmt != "float":
-        quant = quantize_q4 if fmt == "q4" else quantize_q8
-        gu_args = [np.stack(a) for a in zip(*(quant(m) for m in gu), strict=True)]
-        dn_args = [np.stack(a) for a in zip(*(quant(m) for m in dn), strict=True)]
+    (gu_args, _), (dn_args, _) = _stored(fmt, gu), _stored(fmt, dn)
     h_ref, = _run(moe_gate_up(E, M, H, K, "float32", fmt, scale_dtype="float16"), [x, idx, *gu_args],
                   [((n, K, M), "float32")])
     h, = _run(moe_grouped_gate_up(E, M, H, K, "float32", fmt, scale_dtype="float16"), [x, offsets, order, *gu_args],
@@ -348,10 +360,11 @@ def test_real_35b_config_reads():
             cfg.shared_expert_intermediate_size, len(cfg.full_layers)) == ("qwen3_5_moe", 256, 8, 512, 512, 10)
 
 
-@pytest.mark.parametrize("fmt", ["float", "q4"])
+@pytest.mark.parametrize("fmt", ["float", "q4", pytest.param("t2", marks=SLOW), "t3"])
 def test_gpu_kernels_on_pocl(fmt):
     """The thread-bound (GPU) variants, compiled to OpenCL C for Adreno and run on PoCL (fp32: PoCL has no
-    fp16), give the CPU variants' routing and outputs: what an Adreno build ships (not run at build time)."""
+    fp16), give the CPU variants' routing and outputs: what an Adreno build ships (not run at build time).
+    The output is also checked against NumPy (float64) on the dequantized weights and PoCL's routing."""
     from pipeline.verify.opencl import find_opencl_device, run_on_pocl
     from pipeline.verify.opencl_plan import opencl_kernels
 
@@ -363,13 +376,10 @@ def test_gpu_kernels_on_pocl(fmt):
     logits = rng.standard_normal((n, E)).astype(np.float32)
     gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
     down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
-    if fmt == "float":
-        gu_args, down_args = [gate_up], [down]
-    else:
-        cg, sg = quantize_q4(gate_up.reshape(-1, hidden))
-        cd, sd = quantize_q4(down.reshape(-1, inter))
-        gu_args = [cg.reshape(E, 2 * inter, -1), sg.astype(np.float32).reshape(E, 2 * inter, -1)]
-        down_args = [cd.reshape(E, hidden, -1), sd.astype(np.float32).reshape(E, hidden, -1)]
+    # fp32 scales (the fp16 ones' values): PoCL has no fp16
+    (gu_args, gu_deq), (down_args, down_deq) = (_stored(fmt, w) for w in (gate_up, down))
+    gu_args, down_args = ([a.astype(np.float32) if a.dtype == np.float16 else a for a in args]
+                          for args in (gu_args, down_args))
     kw = dict(scale_dtype="float32")
 
     def both(make, inputs, outputs):
@@ -387,6 +397,11 @@ def test_gpu_kernels_on_pocl(fmt):
                           [act, idx, weight, *down_args], [((n, hidden), "float32")])
     np.testing.assert_allclose(y, y_cpu, rtol=1e-5, atol=1e-5)
     assert np.abs(y_cpu).max() > 0.1
+    want = np.zeros((n, hidden))
+    for t, j in np.ndindex(n, k):
+        g, u = np.split(gu_deq[idx[t, j]].astype(np.float64) @ x[t], 2)
+        want[t] += weight[t, j] * (down_deq[idx[t, j]] @ (g / (1 + np.exp(-g)) * u))
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), fmt
 
 
 def test_batch_functions_route_each_token(qwen3_moe, build_bundle):
