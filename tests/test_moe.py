@@ -159,7 +159,8 @@ def _rounded(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
     a = w.detach().numpy().astype(np.float32).reshape(-1, w.shape[-1])
     deq = {"q4": lambda: dequantize_q4(*quantize_q4(a)), "q8": lambda: dequantize_q8(*quantize_q8(a)),
-           "t3": lambda: dequantize_ternary(*quantize_ternary(a, "t3"), "t3", a.shape[1])}[fmt]()
+           "t3": lambda: dequantize_ternary(*quantize_ternary(a, "t3"), "t3", a.shape[1]),
+           "b1": lambda: dequantize_ternary(*quantize_ternary(a, "b1"), "b1", a.shape[1])}[fmt]()
     return torch.from_numpy(np.asarray(deq, np.float32).reshape(w.shape))
 
 
@@ -168,11 +169,12 @@ def test_routed_experts_tolerate_lower_bits(trained_qwen3_moe):
     """What QUANT=auto's MoE rules rest on (docs/moe.md), measured on the trained toy (8 experts, top-2): only the
     routed experts rounded (attention float) vs only the attention matrices, KL(fp32 || rounded) and top-1 over 4 x
     128 teacher-forced positions.
-    * q4 experts keep top-1 >= 90%; post-training ternary (t3) experts are far worse (the plan's floor is q4);
+    * q4 experts keep top-1 >= 90%; post-training ternary (t3) and binary (b1) experts are far worse (the plan takes
+      them below q4 only when nothing else fits, and prints these top-1 numbers: auto_plan.TOY_EXPERT_TOP1);
     * the plan weighs the experts by their active parameters (k of E): its predicted KL ratio experts / attention,
       eps x W with W from auto_plan.role_weights, is nearer the measured ratio than weighing by stored parameters
       (E/k = 4x more) would be."""
-    from pipeline.quant.auto_plan import role_weights
+    from pipeline.quant.auto_plan import TOY_EXPERT_TOP1, role_weights
 
     model, perm = trained_qwen3_moe
     ids = torch.from_numpy(chain(np.random.default_rng(7), 4, 128, perm))
@@ -197,11 +199,15 @@ def test_routed_experts_tolerate_lower_bits(trained_qwen3_moe):
             sum(float((state[k] ** 2).sum()) for k in chosen)
         return kl, top1, eps
 
-    got = {(r, f): measure(r, f) for r in roles for f in ("q8", "q4", "t3")}
+    got = {(r, f): measure(r, f) for r in roles for f in ("q8", "q4", "t3", "b1")}
     table = ", ".join(f"{r} {f}: KL {kl:.2e} top-1 {t:.1%}" for (r, f), (kl, t, _) in got.items())
+    print("\n" + table.replace(", ", "\n"))
     (kl_q4, top1_q4, eps_e), (kl_t3, top1_t3, _) = got["experts", "q4"], got["experts", "t3"]
     assert top1_q4 >= 0.90, table
     assert top1_t3 < top1_q4 and kl_t3 > 10 * kl_q4, table
+    # the numbers QUANT=auto prints when it takes the experts below q4 (measured: the training is seeded)
+    for fmt, top1 in TOY_EXPERT_TOP1.items():
+        assert abs(got["experts", fmt][1] - top1) < 0.005, (fmt, table)
     w = role_weights(model.config.to_dict())
     kl_attn, _, eps_a = got["attention", "q4"]
     planned = eps_e * w["experts"] / (eps_a * (w["qkv_proj"] + w["o_proj"]))
