@@ -439,6 +439,30 @@ def test_qwen3_moe_ternary_experts_end_to_end(qwen3_moe, build_bundle, tmp_path_
     assert kernels["moe_gate_up"]["decode_step"]["flops_per_call"] == 2 * 2 * 64 * 64   # 2 experts x 64 rows x K
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["android-cpu", "android-adreno", "android-hexagon"])
+def test_phone_targets_compile_ternary_experts(qwen3_moe, build_bundle, tmp_path_factory, target):
+    """The tiny Qwen3-MoE with t3 experts builds for the phones (~1 min each): aarch64 objects, the MoE gather
+    kernels in the library — on Adreno in the OpenCL source, thread-bound by the model (rule `library`); on the
+    CPU targets as compiled loop TIR (`cpu-default`; Hexagon keeps them on the aarch64 CPU: no HVX moe-gemv)."""
+    from test_ternary import _aarch64_objects
+
+    folder, _ = qwen3_moe
+    scheme = tmp_path_factory.mktemp("scheme") / "ternary_ptq_t3_experts.yaml"
+    scheme.write_text(TERNARY_EXPERTS)
+    bundle = build_bundle(folder, target, str(scheme))
+    objs = _aarch64_objects(bundle)
+    assert objs and all(o[:4] == b"\x7fELF" and int.from_bytes(o[18:20], "little") == 183 for o in objs)
+    rules = {k["name"]: k["rule"] for k in json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]}
+    assert {"moe_gate_up", "moe_down"} <= rules.keys(), sorted(rules)
+    if target == "android-adreno":
+        assert rules["moe_gate_up"] == rules["moe_down"] == "library"
+        assert any(b"moe_gate_up" in o and b"__kernel" in o for o in objs)
+    else:
+        assert rules["moe_gate_up"] == rules["moe_down"] == "cpu-default"
+        assert {"moe_grouped_gate_up", "moe_grouped_down"} <= rules.keys()
+
+
 def test_real_35b_config_reads():
     """Qwen3.5-35B-A3B's shipped config: an all-MoE hybrid with no dense intermediate_size (QUANT=auto on it:
     test_auto_quant.py)."""

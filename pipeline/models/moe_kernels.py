@@ -48,7 +48,8 @@ def _loops(gpu: bool, threads: int):
     return T.parallel, T.serial, 1
 
 
-def _finish(func: tirx.PrimFunc, name: str, gpu: bool, op_class: str = "moe-gemv", reduction: int = 0) -> tirx.PrimFunc:
+def _finish(func: tirx.PrimFunc, name: str, gpu: bool, op_class: str = "moe-gemv",
+            reduction: int = 0) -> tirx.PrimFunc:
     # the op class is declared: the coverage report then counts the selected experts' bytes, not all E; the
     # reduction length K gives its FLOPs (a packed row's words do not say K: t3 pads to 20 codes per word)
     func = func.with_attr("global_symbol", name).with_attr("pipeline.op_class", op_class)
@@ -58,7 +59,7 @@ def _finish(func: tirx.PrimFunc, name: str, gpu: bool, op_class: str = "moe-gemv
 
 
 def _weight(fmt: str, codes, scales, e, r, kk):
-    """Element [e, r, kk] of a stacked expert weight as fp32 (float, or q4 / q8 / sign codes times their scale)."""
+    """Element [e, r, kk] of a stacked expert weight as fp32 (float, or q4 / q8 / sign codes times a scale)."""
     if fmt == "float":
         return T.Cast("float32", codes[e, r, kk])
     if fmt == "q8":

@@ -45,7 +45,8 @@ byte that still fits, until none does. Greedy on a per-role basis: 8 roles, a ha
 or binarising an ordinary model is very lossy (SmolLM2 ternary_ptq: perplexity in the millions), so a plan
 with such roles carries a warning: it fits, it is not a usable model unless the checkpoint is natively
 ternary / binary. qwen27b on a 12 GB iPhone at 8K is the case b1 exists for: t3 everywhere needs 6.55 GB of
-the ~6 GB an iOS app gets.
+the ~6 GB an iOS app gets. Mixture-of-experts models: the routed experts start with a floor of q4, lowered to
+t3 and then b1 only when no plan fits above it (EXPERT_FLOORS); the 35B fits a 16 GB phone only so.
 """
 
 from __future__ import annotations
