@@ -187,6 +187,10 @@ def moe_cost(func: tirx.PrimFunc, env: dict[str, int]) -> tuple[int | None, int 
         return None, None
     slab = [nbytes(w, {}) // int(w.shape[0].value) for w in weights]
     codes = weights[0]
-    per_elem = {"uint32": 8}.get(str(codes.dtype), 1)   # q4: 8 weights per word
-    macs = tokens * k * (elems(codes, {}) // int(codes.shape[0].value)) * per_elem
+    reduction = func.attrs.get("pipeline.moe_reduction") if func.attrs else None
+    if reduction is not None:   # K as the kernel declares it (a packed word holds 8, 16, 20 or 32 weights)
+        macs = tokens * k * int(codes.shape[1].value) * int(reduction)
+    else:
+        per_elem = {"uint32": 8}.get(str(codes.dtype), 1)   # q4: 8 weights per word
+        macs = tokens * k * (elems(codes, {}) // int(codes.shape[0].value)) * per_elem
     return tokens * k * sum(slab) + sum(act_bytes), 2 * macs

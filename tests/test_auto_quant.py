@@ -252,21 +252,46 @@ def test_35b_a3b_fits_a_24gb_phone_with_q4_experts(moe35b):
     assert result["plan"]["weights_read_per_token"]["bytes"] < result["weights_bytes"] / 10
 
 
-def test_35b_a3b_experts_never_go_below_q4(moe35b):
+def test_35b_a3b_experts_stay_q4_while_a_plan_fits_with_them(moe35b):
     """Between "experts q4, the rest b1" (18.8 GB) and q4 everywhere (19.8 GB) the plan fits by downgrading the
-    other roles; the experts stay q4 (the gather kernels store nothing lower)."""
+    other roles; the experts stay q4 (their floor drops only when nothing fits above it)."""
     phone = {"name": "a 19.5 GB budget", "ram_gb": 24, "app_budget_gb": 19.5, "bandwidth_gbs": 84.8}
     result = plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
     assert result["total_bytes"] <= 19.5e9 and result["formats"]["experts"] == "q4"
     assert result["ternary_roles"] and "experts" not in result["ternary_roles"]
+    assert result["role_floor"] == {"experts": "q4"}
 
 
-def test_35b_a3b_refused_on_a_16gb_phone_in_one_line(moe35b):
+def test_35b_a3b_fits_a_16gb_phone_only_with_ternary_experts(moe35b):
+    """The 16 GB phone's 12 GB: experts q4 with everything else b1 needs 18.77 GB (refused before ternary experts
+    were stored), so the experts' floor drops to t3 — not b1: t3 experts fit — and the plan says what that cost
+    on the toy (the measured top-1 of auto_plan.TOY_EXPERT_TOP1)."""
     phone = {"id": "android-16gb", **load_phone("android-16gb")}
+    result = plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
+    assert result["formats"]["experts"] == "t3" and result["role_floor"] == {"experts": "t3"}
+    assert result["total_bytes"] <= 12e9 and "experts" in result["ternary_roles"]
+    # 40 layers x 256 experts x (1024 rows of 103 words + 16 scales, 2048 rows of 26 words + 4 scales)
+    assert result["plan"]["moe"]["routed_bytes"] == 40 * 256 * (1024 * 444 + 2048 * 112)
+    md = auto_markdown(result)
+    assert "Experts t3 (post-training): no plan with the experts above t3 fits" in md
+    assert "85.5% top-1" in md and "PREDICTION: decode" in md
+    from pipeline.quant.memory_plan import memory_plan, modes_for_scheme
+
+    mode, groups = modes_for_scheme("b1", "float16", {"experts": "q4"})   # why the floor dropped: 18.77 GB > 12
+    smallest = memory_plan(moe35b, quant=mode, group_modes=groups, contexts=(8192,), phone=phone)
+    assert round(smallest["contexts"][0]["total_bytes"] / 1e9, 2) == 18.77
+
+
+def test_35b_a3b_b1_experts_only_below_t3s_fit_and_refused_in_one_line(moe35b):
+    """The 6 GB an iPhone app gets: t3 experts do not fit even with the rest b1, so the experts go b1; below what
+    b1 everywhere needs, a one-line refusal."""
+    phone = {"id": "iphone-12gb", **load_phone("iphone-12gb")}
+    result = plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
+    assert result["formats"]["experts"] == "b1" and result["role_floor"] == {"experts": "b1"}
+    assert result["total_bytes"] <= 6e9
+    tiny = {"name": "a 4 GB budget", "ram_gb": 6, "app_budget_gb": 4, "bandwidth_gbs": 50.0}
     with pytest.raises(ConfigError) as err:
-        plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
+        plan_auto(moe35b, phone=tiny, context=8192, model_name="qwen3.5-35b-a3b")
     text = str(err.value)
-    assert "\n" not in text
-    assert "qwen3.5-35b-a3b does not fit android-16gb (Snapdragon 8 Gen 3 phone, 16 GB)" in text
-    assert "but experts q4 (their lowest storable), needs 18.77 GB at 8192 tokens" in text
-    assert "app budget of at least 18.77 GB" in text
+    assert "\n" not in text and "qwen3.5-35b-a3b does not fit a 4 GB budget" in text
+    assert "the smallest plan, binary b1 everywhere (1.125 bits/weight), needs" in text

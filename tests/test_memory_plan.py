@@ -328,11 +328,20 @@ def test_35b_a3b_active_and_phones():
     assert plan["contexts"][0]["fits"] is True
     assert memory_plan(hf, quant="q4f16", contexts=(8192,), phone=load_phone("android-16gb"))["contexts"][0][
         "fits"] is False
-    with pytest.raises(ValueError, match="routed experts cannot be stored as t3f16"):
-        memory_plan(hf, quant="t3f16")
+    # t3 experts (models/moe.py stores them since the gather kernels read sign codes): 20 codes per uint32 word
+    # + an fp16 scale per 128 along K, by hand: gate_up rows K = 2048 -> 103 words + 16 scales = 444 B, down rows
+    # K = 512 -> 26 words + 4 scales = 112 B; 1.74 bits/weight. Only the experts' bytes change.
+    t3 = memory_plan(hf, quant="q4f16", contexts=(8192,), phone=load_phone("android-16gb"),
+                     group_modes={"experts_gate_up": "t3f16", "experts_down": "t3f16"})
+    expert = 1024 * (103 * 4 + 16 * 2) + 2048 * (26 * 4 + 4 * 2)
+    assert t3["moe"]["routed_bytes"] == 40 * 256 * expert and t3["moe"]["routed_read_bytes"] == 40 * 8 * expert
+    assert t3["weights_total"]["bytes"] - plan["weights_total"]["bytes"] == \
+        t3["moe"]["routed_bytes"] - plan["moe"]["routed_bytes"]
+    assert t3["contexts"][0]["fits"] is True   # the 16 GB phone's 12 GB budget, at 8K
 
 
-@pytest.mark.parametrize("quant", ["q0f16", "mixed", "experts-q8-shared-float"])
+@pytest.mark.parametrize("quant", ["q0f16", "mixed", "experts-q8-shared-float",
+                                   pytest.param("experts-t3-shared-t2", marks=pytest.mark.slow)])   # ~18 s
 def test_moe_plan_bytes_equal_the_compiled_models_parameters(quant):
     """The plan of a 2-layer cut of Qwen3.5-35B-A3B's config (GDN + gated attention, all 256 experts) equals,
     byte for byte, the
@@ -352,6 +361,8 @@ def test_moe_plan_bytes_equal_the_compiled_models_parameters(quant):
     if quant == "experts-q8-shared-float":
         spec_q = dataclasses.replace(load_quant("q4f16"), formats={"experts": "q8", "shared_expert": "float",
                                                                    "gate_up_proj": "q8"})
+    elif quant == "experts-t3-shared-t2":   # sign-packed experts: [E, rows, words] codes + [E, rows, groups] scales
+        spec_q = dataclasses.replace(load_quant("ternary_ptq"), formats={"experts": "t3", "shared_expert": "t2"})
     else:
         spec_q = load_quant(quant)
     defined = stages.define(stages.load(ModelSpec(name="cut", hf_config=hf, weights=None)), spec_q,

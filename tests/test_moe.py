@@ -159,7 +159,8 @@ def _rounded(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
     a = w.detach().numpy().astype(np.float32).reshape(-1, w.shape[-1])
     deq = {"q4": lambda: dequantize_q4(*quantize_q4(a)), "q8": lambda: dequantize_q8(*quantize_q8(a)),
-           "t3": lambda: dequantize_ternary(*quantize_ternary(a, "t3"), "t3", a.shape[1])}[fmt]()
+           "t3": lambda: dequantize_ternary(*quantize_ternary(a, "t3"), "t3", a.shape[1]),
+           "b1": lambda: dequantize_ternary(*quantize_ternary(a, "b1"), "b1", a.shape[1])}[fmt]()
     return torch.from_numpy(np.asarray(deq, np.float32).reshape(w.shape))
 
 
@@ -168,11 +169,12 @@ def test_routed_experts_tolerate_lower_bits(trained_qwen3_moe):
     """What QUANT=auto's MoE rules rest on (docs/moe.md), measured on the trained toy (8 experts, top-2): only the
     routed experts rounded (attention float) vs only the attention matrices, KL(fp32 || rounded) and top-1 over 4 x
     128 teacher-forced positions.
-    * q4 experts keep top-1 >= 90%; post-training ternary (t3) experts are far worse (the plan's floor is q4);
+    * q4 experts keep top-1 >= 90%; post-training ternary (t3) and binary (b1) experts are far worse (the plan takes
+      them below q4 only when nothing else fits, and prints these top-1 numbers: auto_plan.TOY_EXPERT_TOP1);
     * the plan weighs the experts by their active parameters (k of E): its predicted KL ratio experts / attention,
       eps x W with W from auto_plan.role_weights, is nearer the measured ratio than weighing by stored parameters
       (E/k = 4x more) would be."""
-    from pipeline.quant.auto_plan import role_weights
+    from pipeline.quant.auto_plan import TOY_EXPERT_TOP1, role_weights
 
     model, perm = trained_qwen3_moe
     ids = torch.from_numpy(chain(np.random.default_rng(7), 4, 128, perm))
@@ -197,11 +199,15 @@ def test_routed_experts_tolerate_lower_bits(trained_qwen3_moe):
             sum(float((state[k] ** 2).sum()) for k in chosen)
         return kl, top1, eps
 
-    got = {(r, f): measure(r, f) for r in roles for f in ("q8", "q4", "t3")}
+    got = {(r, f): measure(r, f) for r in roles for f in ("q8", "q4", "t3", "b1")}
     table = ", ".join(f"{r} {f}: KL {kl:.2e} top-1 {t:.1%}" for (r, f), (kl, t, _) in got.items())
+    print("\n" + table.replace(", ", "\n"))
     (kl_q4, top1_q4, eps_e), (kl_t3, top1_t3, _) = got["experts", "q4"], got["experts", "t3"]
     assert top1_q4 >= 0.90, table
     assert top1_t3 < top1_q4 and kl_t3 > 10 * kl_q4, table
+    # the numbers QUANT=auto prints when it takes the experts below q4 (measured: the training is seeded)
+    for fmt, top1 in TOY_EXPERT_TOP1.items():
+        assert abs(got["experts", fmt][1] - top1) < 0.005, (fmt, table)
     w = role_weights(model.config.to_dict())
     kl_attn, _, eps_a = got["attention", "q4"]
     planned = eps_e * w["experts"] / (eps_a * (w["qkv_proj"] + w["o_proj"]))
@@ -223,26 +229,42 @@ def _run(func, inputs, outputs):
     return [o.numpy() for o in outs]
 
 
-@pytest.mark.parametrize("fmt", ["float", "q4", "q8"])
+def _stored(fmt: str, w: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """A stacked expert weight [E, rows, K] as the build stores it (each expert's rows quantized like a dense
+    layer's: quantize.py / ternary.py, NK) -> (the kernel's weight arguments, the dequantized weight, fp32)."""
+    from pipeline.quant.ternary import dequantize_ternary, quantize_ternary
+
+    if fmt == "float":
+        return [w], w
+    rows = w.reshape(-1, w.shape[-1])
+    if fmt in ("q4", "q8"):
+        quant, dequant = (quantize_q4, dequantize_q4) if fmt == "q4" else (quantize_q8, dequantize_q8)
+        codes, scales = quant(rows)
+        deq = dequant(codes, scales)
+    else:
+        codes, scales = quantize_ternary(rows, fmt)
+        deq = dequantize_ternary(codes, scales, fmt, w.shape[-1])
+    args = [a.reshape(*w.shape[:2], -1) for a in (codes, scales)]
+    return args, np.asarray(deq, np.float32).reshape(w.shape)
+
+
+SLOW = pytest.mark.slow
+# t3 (base-3 bytes, padded words) in the default suite; t2 / b1 read words the same way: slow (~2.5 s each)
+SIGN_FORMATS = [pytest.param("t2", marks=SLOW), "t3", pytest.param("b1", marks=SLOW)]
+
+
+@pytest.mark.parametrize("fmt", ["float", "q4", "q8", *SIGN_FORMATS])
 def test_gather_kernels_match_numpy(fmt):
     """Router (softmax, top-2, renormalised or not) and the two gather GEMVs vs a float64 NumPy MoE whose
-    experts are the kernels' dequantized weights: indices exact, outputs within fp32 rounding."""
+    experts are the kernels' dequantized weights (ternary / binary: quant/ternary.dequantize_ternary of the
+    dense layers' packing): indices exact, outputs within fp32 rounding. K = 64 / 32 is shorter than one
+    sign group of 128 and (t3) not a multiple of 20: the short group and the padded word are read."""
     E, inter, hidden, k, n = 8, 32, 64, 2, 5
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     router = rng.standard_normal((E, hidden)).astype(np.float32)
-    gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
-    down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
-    if fmt == "float":
-        gu_args, down_args = [gate_up], [down]
-    else:
-        quant, dequant = (quantize_q4, dequantize_q4) if fmt == "q4" else (quantize_q8, dequantize_q8)
-        cg, sg = quant(gate_up.reshape(-1, hidden))
-        cd, sd = quant(down.reshape(-1, inter))
-        gate_up = dequant(cg, sg).reshape(gate_up.shape)
-        down = dequant(cd, sd).reshape(down.shape)
-        gu_args = [cg.reshape(E, 2 * inter, -1), sg.reshape(E, 2 * inter, -1)]
-        down_args = [cd.reshape(E, hidden, -1), sd.reshape(E, hidden, -1)]
+    gu_args, gate_up = _stored(fmt, (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32))
+    down_args, down = _stored(fmt, (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32))
     for norm in (True, False):
         want, want_idx = moe_reference(x, router, gate_up, down, k, norm)
         idx, weight = _run(moe_route(E, k, norm), [x @ router.T], [((n, k), "int32"), ((n, k), "float32")])
@@ -253,7 +275,7 @@ def test_gather_kernels_match_numpy(fmt):
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), (fmt, norm)
 
 
-@pytest.mark.parametrize("fmt", ["float", "q4", "q8"])
+@pytest.mark.parametrize("fmt", ["float", "q4", "q8", *SIGN_FORMATS])
 def test_grouped_kernels_match_the_gather_kernels(fmt):
     """Prefill grouped by expert (moe_grouped: counting sort, one pass per expert row over its tokens) gives the
     gather kernels' numbers: the sort lists every slot once, ascending within each expert; the per-slot outputs
@@ -273,11 +295,7 @@ def test_grouped_kernels_match_the_gather_kernels(fmt):
     assert offsets[5] == offsets[6] and offsets[-1] == n * K
     for e in range(E):
         np.testing.assert_array_equal(order[offsets[e]:offsets[e + 1]], np.flatnonzero(flat == e))
-    gu_args, dn_args = [gu], [dn]
-    if fmt != "float":
-        quant = quantize_q4 if fmt == "q4" else quantize_q8
-        gu_args = [np.stack(a) for a in zip(*(quant(m) for m in gu), strict=True)]
-        dn_args = [np.stack(a) for a in zip(*(quant(m) for m in dn), strict=True)]
+    (gu_args, _), (dn_args, _) = _stored(fmt, gu), _stored(fmt, dn)
     h_ref, = _run(moe_gate_up(E, M, H, K, "float32", fmt, scale_dtype="float16"), [x, idx, *gu_args],
                   [((n, K, M), "float32")])
     h, = _run(moe_grouped_gate_up(E, M, H, K, "float32", fmt, scale_dtype="float16"), [x, offsets, order, *gu_args],
@@ -336,6 +354,115 @@ def test_stacked_checkpoint_converts_like_per_expert(qwen3_moe, tmp_path, quant=
     np.testing.assert_array_equal(per_expert["model.layers.1.mlp.gate.weight"], router)
 
 
+@pytest.mark.parametrize("fmt", ["t2", "t3"])
+def test_ternary_experts_convert_like_dense_rows(qwen3_moe, fmt):
+    """Stacked experts in a sign packing (models/moe.StackedExperts under a ternary_ptq-like factory): each
+    expert's rows ternarised and packed exactly as quant/ternary.quantize_ternary packs a dense weight
+    ([E, rows, ceil(K / 16 or 20)] uint32 codes, [E, rows, ceil(K / 128)] fp16 scales); the conversion
+    statistics count their weight error."""
+    from pipeline.frontend.checkpoint import open_checkpoint
+    from pipeline.models.layers import LayerFactory
+    from pipeline.models.moe import ExpertsPair
+    from pipeline.quant.convert import iter_converted
+    from pipeline.quant.ternary import quantize_ternary
+
+    folder, model = qwen3_moe
+    pair = ExpertsPair(8, 64, 32, LayerFactory("float32", fmt, "float16", ternary_source="ptq"))
+    prefix = "model.layers.0.mlp.experts."
+    params = [(prefix + n, p) for n, p in pair.named_parameters()]
+    stats: dict[str, float] = {}
+    got = dict(iter_converted(open_checkpoint(folder), params, "NK", block_bytes=700, stats=stats))
+    state = model.state_dict()
+    per_word = {"t2": 16, "t3": 20}[fmt]
+    for proj, k in (("gate_up_proj", 64), ("down_proj", 32)):
+        w = state[prefix + proj].numpy()
+        codes, scales = got[f"{prefix}{proj}.q_weight"], got[f"{prefix}{proj}.q_scale"]
+        assert codes.shape == (8, w.shape[1], -(-k // per_word)) and codes.dtype == np.uint32
+        assert scales.shape == (8, w.shape[1], 1) and scales.dtype == np.float16
+        for e in range(8):
+            want_codes, want_scales = quantize_ternary(w[e], fmt)
+            np.testing.assert_array_equal(codes[e], want_codes)
+            np.testing.assert_array_equal(scales[e], want_scales)
+    assert stats["groups"] == 8 * (64 + 64) and stats["err2"] > 0
+
+
+TERNARY_EXPERTS = ("name: ternary_ptq_t3_experts\nweight_format: t2\nweight_dtype: float16\nlayout: target\n"
+                   "ternary_source: ptq\nformats: {embed_tokens: q8, lm_head: q8, experts: t3}\n")
+
+
+def as_stored(model, expert_fmt: str = "t3", dense_fmt: str = "t2"):
+    """A copy of the torch model holding the values the ternary scheme above stores: stacked experts and the
+    attention linears ternarised row by row (quant/ternary.py, what the dense layers store), the embedding /
+    lm_head q8, the router and the norms rounded to fp16 (weight_dtype) — the reference for a ternary build
+    (vs the fp32 model a post-training ternary model is poor by design)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            w = p.detach().numpy().astype(np.float32)
+            if ".experts." in name:
+                got = _stored(expert_fmt, w)[1]
+            elif "embed_tokens" in name or name.startswith("lm_head"):
+                got = dequantize_q8(*quantize_q8(w, "NK"), "NK")
+            elif p.dim() == 2 and "mlp.gate." not in name:
+                got = _stored(dense_fmt, w[None])[1][0]
+            else:
+                got = w.astype(np.float16).astype(np.float32)
+            p.copy_(torch.from_numpy(np.asarray(got, np.float32).reshape(w.shape)))
+    return ref
+
+
+@pytest.mark.slow
+def test_qwen3_moe_ternary_experts_end_to_end(qwen3_moe, build_bundle, tmp_path_factory):
+    """A tiny Qwen3-MoE built for host-cpu with post-training t3 experts (t2 attention, q8 vocab tables): the
+    compiled library's prefill logits and 16 greedy decode steps vs transformers fp32 on the same stored values
+    (as_stored), within 2e-3 x the logit scale (fp16 KV cache; measured 4.8e-4, against 0.64 vs the fp32 model),
+    tokens identical; the coverage report's decode step reads the 2 chosen experts' t3 rows (slow: ~60 s)."""
+    folder, model = qwen3_moe
+    scheme = tmp_path_factory.mktemp("scheme") / "ternary_ptq_t3_experts.yaml"
+    scheme.write_text(TERNARY_EXPERTS)
+    bundle = build_bundle(folder, "host-cpu", str(scheme))
+    ids = np.random.default_rng(1).integers(0, VOCAB, PROMPT_LEN)
+    got_prefill, got_decode, got_tokens = ours(Bundle(bundle).engine(), ids, 16)
+    ref_prefill, ref_decode, ref_tokens = reference(as_stored(model), ids, 16)
+    assert_close(got_prefill, ref_prefill, "prefill logits", rel=2e-3)
+    assert_close(got_decode, ref_decode, "decode logits", rel=2e-3)
+    assert got_tokens == ref_tokens
+    kernels = {k["name"]: k for k in json.loads((bundle / "reports" / "coverage.json").read_text())["kernels"]}
+    # one expert's t3 rows (I = 32, H = 64): gate_up 64 rows of K = 64 -> 4 words + 1 fp16 scale = 18 B,
+    # down 64 rows of K = 32 -> 2 words + 1 scale = 10 B; fp32 activations: gate_up reads x [1, 64], idx [1, 2]
+    # and writes h [1, 2, 32] (520 B), down h, idx, weight [1, 2] and y [1, 64] (528 B)
+    expert = 64 * 18 + 64 * 10
+    step = sum(kernels[n]["decode_step"]["bytes_per_call"] for n in ("moe_gate_up", "moe_down"))
+    assert step == 2 * expert + 520 + 528
+    assert kernels["moe_gate_up"]["decode_step"]["flops_per_call"] == 2 * 2 * 64 * 64   # 2 experts x 64 rows x K
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["android-cpu", "android-adreno", "android-hexagon"])
+def test_phone_targets_compile_ternary_experts(qwen3_moe, build_bundle, tmp_path_factory, target):
+    """The tiny Qwen3-MoE with t3 experts builds for the phones (~1 min each): aarch64 objects, the MoE gather
+    kernels in the library — on Adreno in the OpenCL source, thread-bound by the model (rule `library`); on the
+    CPU targets as compiled loop TIR (`cpu-default`; Hexagon keeps them on the aarch64 CPU: no HVX moe-gemv)."""
+    from test_ternary import _aarch64_objects
+
+    folder, _ = qwen3_moe
+    scheme = tmp_path_factory.mktemp("scheme") / "ternary_ptq_t3_experts.yaml"
+    scheme.write_text(TERNARY_EXPERTS)
+    bundle = build_bundle(folder, target, str(scheme))
+    objs = _aarch64_objects(bundle)
+    assert objs and all(o[:4] == b"\x7fELF" and int.from_bytes(o[18:20], "little") == 183 for o in objs)
+    rules = {k["name"]: k["rule"] for k in json.loads((bundle / "reports" / "kernels.json").read_text())["kernels"]}
+    assert {"moe_gate_up", "moe_down"} <= rules.keys(), sorted(rules)
+    if target == "android-adreno":
+        assert rules["moe_gate_up"] == rules["moe_down"] == "library"
+        assert any(b"moe_gate_up" in o and b"__kernel" in o for o in objs)
+    else:
+        assert rules["moe_gate_up"] == rules["moe_down"] == "cpu-default"
+        assert {"moe_grouped_gate_up", "moe_grouped_down"} <= rules.keys()
+
+
 def test_real_35b_config_reads():
     """Qwen3.5-35B-A3B's shipped config: an all-MoE hybrid with no dense intermediate_size (QUANT=auto on it:
     test_auto_quant.py)."""
@@ -348,10 +475,11 @@ def test_real_35b_config_reads():
             cfg.shared_expert_intermediate_size, len(cfg.full_layers)) == ("qwen3_5_moe", 256, 8, 512, 512, 10)
 
 
-@pytest.mark.parametrize("fmt", ["float", "q4"])
+@pytest.mark.parametrize("fmt", ["float", "q4", pytest.param("t2", marks=SLOW), "t3"])
 def test_gpu_kernels_on_pocl(fmt):
     """The thread-bound (GPU) variants, compiled to OpenCL C for Adreno and run on PoCL (fp32: PoCL has no
-    fp16), give the CPU variants' routing and outputs: what an Adreno build ships (not run at build time)."""
+    fp16), give the CPU variants' routing and outputs: what an Adreno build ships (not run at build time).
+    The output is also checked against NumPy (float64) on the dequantized weights and PoCL's routing."""
     from pipeline.verify.opencl import find_opencl_device, run_on_pocl
     from pipeline.verify.opencl_plan import opencl_kernels
 
@@ -363,13 +491,10 @@ def test_gpu_kernels_on_pocl(fmt):
     logits = rng.standard_normal((n, E)).astype(np.float32)
     gate_up = (rng.standard_normal((E, 2 * inter, hidden)) * 0.2).astype(np.float32)
     down = (rng.standard_normal((E, hidden, inter)) * 0.2).astype(np.float32)
-    if fmt == "float":
-        gu_args, down_args = [gate_up], [down]
-    else:
-        cg, sg = quantize_q4(gate_up.reshape(-1, hidden))
-        cd, sd = quantize_q4(down.reshape(-1, inter))
-        gu_args = [cg.reshape(E, 2 * inter, -1), sg.astype(np.float32).reshape(E, 2 * inter, -1)]
-        down_args = [cd.reshape(E, hidden, -1), sd.astype(np.float32).reshape(E, hidden, -1)]
+    # fp32 scales (the fp16 ones' values): PoCL has no fp16
+    (gu_args, gu_deq), (down_args, down_deq) = (_stored(fmt, w) for w in (gate_up, down))
+    gu_args, down_args = ([a.astype(np.float32) if a.dtype == np.float16 else a for a in args]
+                          for args in (gu_args, down_args))
     kw = dict(scale_dtype="float32")
 
     def both(make, inputs, outputs):
@@ -387,6 +512,11 @@ def test_gpu_kernels_on_pocl(fmt):
                           [act, idx, weight, *down_args], [((n, hidden), "float32")])
     np.testing.assert_allclose(y, y_cpu, rtol=1e-5, atol=1e-5)
     assert np.abs(y_cpu).max() > 0.1
+    want = np.zeros((n, hidden))
+    for t, j in np.ndindex(n, k):
+        g, u = np.split(gu_deq[idx[t, j]].astype(np.float64) @ x[t], 2)
+        want[t] += weight[t, j] * (down_deq[idx[t, j]] @ (g / (1 + np.exp(-g)) * u))
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), fmt
 
 
 def test_batch_functions_route_each_token(qwen3_moe, build_bundle):

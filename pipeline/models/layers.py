@@ -71,6 +71,29 @@ def dequantize_q8_te(codes: te.Tensor, scale: te.Tensor, layout: str, k: int, n:
     return te.compute((k, n), value, name=f"dequantize_q8_{layout.lower()}")
 
 
+def sign_code(fmt: str, word_at, kk):
+    """The stored code of weight `kk` of one sign-packed row (t2 / t3: trit + 1; b1: its sign bit as 0 or 2, so
+    the value is (code - 1) * scale in every packing), from `word_at(i)`: the row's i-th uint32 word. Index
+    arithmetic on PrimExprs, so the TE dequantize here and the routed experts' TIR gather kernels
+    (moe_kernels.py) read one packing (quant/ternary.py) the same way."""
+    if fmt == "t2":
+        word = word_at(kk // tern.T2_PER_WORD)
+        shift = (kk % tern.T2_PER_WORD * 2).astype("uint32")
+        return (word >> shift) & tirx.const(3, "uint32")
+    if fmt == "b1":                      # sign bit -> code 0 or 2 (value code - 1 = -1 or +1)
+        word = word_at(kk // tern.B1_PER_WORD)
+        shift = (kk % tern.B1_PER_WORD).astype("uint32")
+        return ((word >> shift) & tirx.const(1, "uint32")) * tirx.const(2, "uint32")
+    if fmt != "t3":
+        raise ValueError(f"unknown sign packing {fmt!r}; expected one of {tern.PACKINGS}")
+    word = word_at(kk // tern.T3_PER_WORD)
+    shift = (kk % tern.T3_PER_WORD // tern.T3_PER_BYTE * 8).astype("uint32")
+    byte = ((word >> shift) & tirx.const(0xFF, "uint32")).astype("int32")
+    j = kk % tern.T3_PER_BYTE
+    pow3 = tirx.Select(j == 0, 1, tirx.Select(j == 1, 3, tirx.Select(j == 2, 9, tirx.Select(j == 3, 27, 81))))
+    return tirx.floormod(tirx.floordiv(byte, pow3), 3)
+
+
 def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout: str, k: int, n: int,
                           dtype: str):
     """TE for W^T[k, n] from ternary codes (code = trit + 1) + one scale per 128 weights along K.
@@ -84,20 +107,7 @@ def dequantize_ternary_te(packed: te.Tensor, scale: te.Tensor, fmt: str, layout:
         return buf[nn_, kk] if layout == "NK" else buf[kk, nn_]
 
     def code(kk, nn_):
-        if fmt == "t2":
-            word = at(packed, kk // tern.T2_PER_WORD, nn_)
-            shift = (kk % tern.T2_PER_WORD * 2).astype("uint32")
-            return (word >> shift) & tirx.const(3, "uint32")
-        if fmt == "b1":                      # sign bit -> code 0 or 2 (value code - 1 = -1 or +1)
-            word = at(packed, kk // tern.B1_PER_WORD, nn_)
-            shift = (kk % tern.B1_PER_WORD).astype("uint32")
-            return ((word >> shift) & tirx.const(1, "uint32")) * tirx.const(2, "uint32")
-        word = at(packed, kk // tern.T3_PER_WORD, nn_)
-        shift = (kk % tern.T3_PER_WORD // tern.T3_PER_BYTE * 8).astype("uint32")
-        byte = ((word >> shift) & tirx.const(0xFF, "uint32")).astype("int32")
-        j = kk % tern.T3_PER_BYTE
-        pow3 = tirx.Select(j == 0, 1, tirx.Select(j == 1, 3, tirx.Select(j == 2, 9, tirx.Select(j == 3, 27, 81))))
-        return tirx.floormod(tirx.floordiv(byte, pow3), 3)
+        return sign_code(fmt, lambda word: at(packed, word, nn_), kk)
 
     def value(kk, nn_):
         s = at(scale, kk // tern.GROUP, nn_).astype(dtype)

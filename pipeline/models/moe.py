@@ -6,8 +6,9 @@ summed with the routing weights; Qwen3.5-MoE adds an always-on shared expert sca
 ``sigmoid(x w_g)``. The experts' weights are stacked per layer, ``experts.gate_up_proj`` [E, 2I, H] (gate
 rows then up rows, each expert's as in a dense fused MLP) and ``experts.down_proj`` [E, H, I], float or
 q4 / q8 codes of each expert's rows (NK whatever the target's layout: the gather kernels read an expert's
-rows by index). Their parameters carry ``attrs["experts"] = E`` so the converter assembles them from the
-checkpoint's per-expert or stacked tensors (quant/experts.py).
+rows by index), or t2 / t3 / b1 sign codes packed per row as a dense ternary layer stores them. Their
+parameters carry ``attrs["experts"] = E`` so the converter assembles them from the checkpoint's per-expert or
+stacked tensors (quant/experts.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
 from pipeline.errors import ConfigError
-from pipeline.formats import FORMAT_BITS, GROUP
+from pipeline.formats import FORMAT_BITS, GROUP, PACKINGS
 from pipeline.models.layers import FloatLinear, LayerFactory
 from pipeline.models.moe_grouped import moe_grouped_down, moe_grouped_gate_up, moe_sort
-from pipeline.models.moe_kernels import moe_down, moe_gate_up, moe_route, weight_shapes
+from pipeline.models.moe_kernels import (
+    WEIGHT_FORMATS,
+    code_dtype,
+    moe_down,
+    moe_gate_up,
+    moe_route,
+    weight_shapes,
+)
 
-EXPERT_ROLE = "experts"   # the scheme's `formats` key for the routed experts (float | q4 | q8)
+EXPERT_ROLE = "experts"   # the scheme's `formats` key for the routed experts (float | q4 | q8 | t2 | t3 | b1)
 
 
 def gpu_info(target: Any) -> tuple[bool, int]:
@@ -40,21 +48,24 @@ class StackedExperts(nn.Module):
 
     def __init__(self, experts: int, rows: int, k: int, make: LayerFactory):
         fmt = make.format_for(EXPERT_ROLE)
-        if fmt not in FORMAT_BITS and fmt != "float":
-            raise ConfigError(f"routed experts cannot be stored as {fmt!r} yet (float, q4 or q8 only)",
-                              fix="choose a q4 / q8 / float scheme, or set formats.experts to q4")
-        self.fmt = fmt if fmt in FORMAT_BITS and k % GROUP == 0 else "float"
+        if fmt not in WEIGHT_FORMATS:
+            raise ConfigError(f"routed experts cannot be stored as {fmt!r} (one of {', '.join(WEIGHT_FORMATS)})",
+                              fix="set formats.experts to one of them")
+        # q4 / q8 need whole groups of 32 along K; the sign packings take any K (a short last group)
+        self.fmt = "float" if fmt in FORMAT_BITS and k % GROUP else fmt
         codes, scales = weight_shapes(self.fmt, experts, rows, k)
         if self.fmt == "float":
             self.weight = nn.Parameter(codes, make.weight_dtype)
             params = [self.weight]
         else:
-            self.q_weight = nn.Parameter(codes, "uint32" if self.fmt == "q4" else "int8")
+            self.q_weight = nn.Parameter(codes, code_dtype(self.fmt, make.weight_dtype))
             self.q_scale = nn.Parameter(scales, make.scale_dtype)
             params = [self.q_weight, self.q_scale]
         self.scale_dtype = make.scale_dtype
         for p in params:
             p.attrs["experts"] = experts
+            if self.fmt in PACKINGS:   # the converter ternarises (ptq) or imports (native) them like a dense layer
+                p.attrs.update(format=self.fmt, ternary_source=make.ternary_source)
 
     @property
     def tensors(self) -> list[Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from pipeline.models.moe_kernels import _check, _weight, weight_shapes
+from pipeline.models.moe_kernels import _check, _weight, code_dtype, weight_shapes
 
 __all__ = ["moe_grouped_down", "moe_grouped_gate_up", "moe_sort"]
 
@@ -63,7 +63,7 @@ def moe_grouped_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, H)
     wshape, sshape = weight_shapes(fmt, E, 2 * M, H)
-    cdtype = {"float": weight_dtype, "q4": "uint32", "q8": "int8"}[fmt]
+    cdtype = code_dtype(fmt, weight_dtype)
 
     @T.macro
     def body(x, offsets, order, codes, scales, out):
@@ -111,7 +111,7 @@ def moe_grouped_down(experts: int, hidden: int, inter: int, top_k: int, dtype: s
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, M)
     wshape, sshape = weight_shapes(fmt, E, H, M)
-    cdtype = {"float": weight_dtype, "q4": "uint32", "q8": "int8"}[fmt]
+    cdtype = code_dtype(fmt, weight_dtype)
 
     @T.macro
     def body(h, offsets, order, codes, scales, out):

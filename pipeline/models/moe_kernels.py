@@ -1,8 +1,10 @@
 """TIR kernels of a mixture-of-experts MLP that read only the experts each token was routed to.
 
 A MoE layer holds E expert FFNs but a token uses k of them (Qwen3.5-35B-A3B: 8 of 256), so decode must
-read k experts' weights, not E. The experts are stored stacked per layer ([E, N, K] float, or the q4 / q8
-codes and scales of each expert's rows, NK: [E, N, K / 8] + [E, N, K / 32]) and each kernel indexes the
+read k experts' weights, not E. The experts are stored stacked per layer ([E, N, K] float, or the codes and
+scales of each expert's rows, NK: q4 / q8 [E, N, K / 8 or K] + [E, N, K / 32]; the sign packings t2 / t3 / b1
+exactly as a dense layer stores a row, quant/ternary.py: [E, N, ceil(K / 16, 20 or 32)] uint32 +
+[E, N, ceil(K / 128)], read by the dense TE dequantize's `layers.sign_code`) and each kernel indexes the
 expert with the router's choice, so one launch per projection computes the k selected experts and nothing
 else (no E masked GEMVs, no gather copy of the weights)::
 
@@ -30,11 +32,12 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from pipeline.formats import CODES_PER_WORD, GROUP, ZERO
+from pipeline.formats import CODES_PER_WORD, FORMATS, GROUP, PACKINGS, SIGN_GROUP, ZERO, n_groups, packed_len
+from pipeline.models.layers import sign_code
 
 __all__ = ["moe_down", "moe_gate_up", "moe_reference", "moe_route"]
 
-WEIGHT_FORMATS = ("float", "q4", "q8")
+WEIGHT_FORMATS = ("float", "q4", "q8", *PACKINGS)
 
 
 def _loops(gpu: bool, threads: int):
@@ -45,18 +48,25 @@ def _loops(gpu: bool, threads: int):
     return T.parallel, T.serial, 1
 
 
-def _finish(func: tirx.PrimFunc, name: str, gpu: bool, op_class: str = "moe-gemv") -> tirx.PrimFunc:
-    # the op class is declared: the coverage report then counts the selected experts' bytes, not all E
+def _finish(func: tirx.PrimFunc, name: str, gpu: bool, op_class: str = "moe-gemv",
+            reduction: int = 0) -> tirx.PrimFunc:
+    # the op class is declared: the coverage report then counts the selected experts' bytes, not all E; the
+    # reduction length K gives its FLOPs (a packed row's words do not say K: t3 pads to 20 codes per word)
     func = func.with_attr("global_symbol", name).with_attr("pipeline.op_class", op_class)
+    if reduction:
+        func = func.with_attr("pipeline.moe_reduction", reduction)
     return func.with_attr("tirx.is_scheduled", True) if gpu else func
 
 
 def _weight(fmt: str, codes, scales, e, r, kk):
-    """Element [e, r, kk] of a stacked expert weight as fp32 (float, or q4 / q8 codes times their scale)."""
+    """Element [e, r, kk] of a stacked expert weight as fp32 (float, or q4 / q8 / sign codes times a scale)."""
     if fmt == "float":
         return T.Cast("float32", codes[e, r, kk])
     if fmt == "q8":
         return T.Cast("float32", codes[e, r, kk]) * T.Cast("float32", scales[e, r, kk // GROUP])
+    if fmt in PACKINGS:
+        code = sign_code(fmt, lambda i: codes[e, r, i], kk)
+        return (T.Cast("float32", code) - T.float32(1)) * T.Cast("float32", scales[e, r, kk // SIGN_GROUP])
     word = codes[e, r, kk // CODES_PER_WORD]
     code = T.bitwise_and(T.shift_right(word, T.Cast("uint32", kk % CODES_PER_WORD * 4)), T.uint32(0xF))
     return (T.Cast("float32", code) - T.float32(ZERO)) * T.Cast("float32", scales[e, r, kk // GROUP])
@@ -66,14 +76,21 @@ def weight_shapes(fmt: str, experts: int, rows: int, k: int) -> tuple[tuple[int,
     """(codes or float weight, scales) shapes of one stacked expert projection [experts, rows, k] (NK)."""
     if fmt == "float":
         return (experts, rows, k), None
+    if fmt in PACKINGS:   # a dense layer's NK row (TernaryLinear), per expert: the last group may be short
+        return (experts, rows, packed_len(fmt, k)), (experts, rows, n_groups(k))
     per_word = CODES_PER_WORD if fmt == "q4" else 1
     return (experts, rows, k // per_word), (experts, rows, k // GROUP)
+
+
+def code_dtype(fmt: str, weight_dtype: str) -> str:
+    """The dtype of a stacked expert weight's codes (float: the weight itself)."""
+    return weight_dtype if fmt == "float" else FORMATS[fmt].code_dtype
 
 
 def _check(fmt: str, k: int) -> None:
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"expert weight format {fmt!r} is not one of {WEIGHT_FORMATS}")
-    if fmt != "float" and k % GROUP:
+    if fmt in ("q4", "q8") and k % GROUP:
         raise ValueError(f"quantized experts need K ({k}) to be a multiple of the group size {GROUP}")
 
 
@@ -138,7 +155,7 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, H)
     wshape, sshape = weight_shapes(fmt, E, 2 * M, H)
-    cdtype = {"float": weight_dtype, "q4": "uint32", "q8": "int8"}[fmt]
+    cdtype = code_dtype(fmt, weight_dtype)
     outer, inner, threads = _loops(gpu, max_threads)
 
     @T.macro
@@ -177,7 +194,7 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
             out = T.match_buffer(out_h, (seq_len, K, M), dtype)
             body(x, idx, codes, scales, out, seq_len)
 
-    return _finish(kernel, name, gpu)
+    return _finish(kernel, name, gpu, reduction=H)
 
 
 def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt: str = "float",
@@ -188,7 +205,7 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, M)
     wshape, sshape = weight_shapes(fmt, E, H, M)
-    cdtype = {"float": weight_dtype, "q4": "uint32", "q8": "int8"}[fmt]
+    cdtype = code_dtype(fmt, weight_dtype)
     outer, inner, threads = _loops(gpu, max_threads)
 
     @T.macro
@@ -229,7 +246,7 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
             out = T.match_buffer(out_h, (seq_len, H), dtype)
             body(h, idx, w, codes, scales, out, seq_len)
 
-    return _finish(kernel, name, gpu)
+    return _finish(kernel, name, gpu, reduction=M)
 
 
 def moe_reference(x, router, gate_up, down, top_k: int, norm_topk: bool):

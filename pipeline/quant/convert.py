@@ -375,7 +375,7 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
             if on_bytes:
                 on_bytes(arr.nbytes)
         elif (getattr(p, "attrs", None) or {}).get("experts"):
-            arr = _convert_experts(ckpt, name, p, shapes, dtypes, pending, block_bytes, on_bytes)
+            arr = _convert_experts(ckpt, name, p, shapes, dtypes, pending, block_bytes, on_bytes, stats)
         elif name.endswith(QUANT_SUFFIXES):
             base = name.rsplit(".", 1)[0]
             attrs = dict(getattr(p, "attrs", None) or {})
@@ -411,10 +411,11 @@ def iter_converted(ckpt: Any, params: list[tuple[str, Any]], layout: str, *, tie
 
 def _convert_experts(ckpt: Any, name: str, p: Any, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str],
                      pending: dict[str, np.ndarray], block_bytes: int,
-                     on_bytes: Callable[[int], None] | None) -> np.ndarray:
+                     on_bytes: Callable[[int], None] | None, stats: dict[str, float] | None = None) -> np.ndarray:
     """A stacked expert parameter [E, rows, ...] (models/moe.py): its per-expert sources (quant/experts.py)
-    converted as one fused 2-d weight [E * rows, K] (float, or q4 / q8 NK rows), then reshaped; a q_weight's
-    scales wait in `pending` for their own parameter, like any quantized weight's."""
+    converted as one fused 2-d weight [E * rows, K] (float, q4 / q8 NK rows, or t2 / t3 / b1 NK rows
+    ternarised / imported as a dense layer's: `_convert_ternary`), then reshaped; a q_weight's scales wait in
+    `pending` for their own parameter, like any quantized weight's."""
     experts = int(p.attrs["experts"])
     sources = [checkpoint_name(ckpt, n) for n in expert_sources(name, experts)]
     missing = [n for n in sources if n not in ckpt]
@@ -426,8 +427,12 @@ def _convert_experts(ckpt: Any, name: str, p: Any, shapes: dict[str, tuple[int, 
     if not name.endswith(QUANT_SUFFIXES):
         return _convert_float(ckpt, name, sources, p.dtype, flat[name], block_bytes, on_bytes).reshape(shape)
     base = name.rsplit(".", 1)[0]
-    bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
-    packed, scale = _convert_q4(ckpt, name, sources, "NK", flat, block_bytes, on_bytes, bits=bits)
+    attrs = dict(p.attrs)
+    if attrs.get("format") in tern.PACKINGS:
+        packed, scale = _convert_ternary(ckpt, name, sources, "NK", flat, block_bytes, on_bytes, attrs, stats)
+    else:
+        bits = 8 if dtypes.get(base + ".q_weight") == "int8" else 4
+        packed, scale = _convert_q4(ckpt, name, sources, "NK", flat, block_bytes, on_bytes, bits=bits)
     codes_shape = shapes.get(base + ".q_weight", (experts, -1, packed.shape[1]))
     scale_shape = shapes.get(base + ".q_scale", (experts, -1, scale.shape[1]))
     packed, scale = packed.reshape(codes_shape), scale.reshape(scale_shape)

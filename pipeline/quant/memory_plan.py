@@ -19,7 +19,7 @@ Supported configs
 * Mixture-of-experts MLPs (``qwen3_moe``, ``qwen3_5_moe``; `frontend.hf_config.Experts`): per sparse layer a
   router [E, H] (float in the scheme's weight dtype: never quantized, models/moe.py), the E routed experts'
   stacked gate_up [E, 2I, H] and down [E, H, I] (each expert's rows stored like a linear weight: q4 / q8 /
-  float, never ternary) and, for qwen3_5_moe, a shared expert (gate_up / down linears) with its [1, H] float
+  float, or t2 / t3 / b1 sign codes) and, for qwen3_5_moe, a shared expert (gate_up / down linears) with its [1, H] float
   gate; ``mlp_only_layers`` / ``decoder_sparse_step`` layers keep a dense MLP of ``intermediate_size``.
 
 Model of the numbers
@@ -297,8 +297,6 @@ def _weights(t: TextConfig, quant: str, group_modes: dict[str, str] | None = Non
         elif group in FLOAT_GROUPS:
             precision = "float32" if quant == "q0f32" else "float16"
             nbytes = DTYPE_BYTES[precision] * params
-        elif group in EXPERT_GROUPS and mode in TERNARY_MODES:
-            raise ValueError(f"routed experts cannot be stored as {mode} (q4 / q8 / float only, models/moe.py)")
         elif group in NORM_GROUPS and quant != "q0f32":
             nbytes, precision = DTYPE_BYTES[compute_dtype] * params, compute_dtype
         else:
