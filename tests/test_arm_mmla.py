@@ -110,6 +110,27 @@ def test_prefill_objects_run_smmla(built):
         assert per_weight_row <= limit, (name, length)
 
 
+def test_library_reading_and_coverage_name_smmla(built):
+    """The build's reading of a library (arm_code.library_dot_code -> build.json -> coverage): each smmla kernel
+    found with smmla as its dot instruction and its densest loop (two prompt pairs) per weight and prompt row;
+    the coverage line names smmla and the kernels that run it."""
+    from pipeline.kernels.cpu.arm import X_BYTES
+    from pipeline.kernels.cpu.arm_code import library_dot_code
+    from pipeline.report.coverage import _dot_code_line, add_dot_code
+
+    if find_objdump() is None:
+        pytest.skip("needs llvm-objdump (Debian llvm)")
+    code = library_dot_code(built[2][0].parent.parent / "lib.tar", "", X_BYTES)
+    assert set(code["kernels"]) == set(CASES)
+    assert all(k["dot_mnemonics"] == ["smmla"] for k in code["kernels"].values()), code["kernels"]
+    assert code["kernels"]["mmla_q4_576x576"]["instructions_per_weight"] <= 0.13, code["kernels"]
+    report = {"kernels": [{"name": name, "op_class": "dequant-matmul"} for name in CASES], "summary": {}}
+    add_dot_code(report, code)
+    line = _dot_code_line(report["summary"]["dot_code"])
+    assert f"{len(CASES)} of {len(CASES)} quantized matmul kernels run sdot or smmla" in line, line
+    assert f"smmla (i8mm) in {len(CASES)}: " in line and all(name in line for name in CASES), line
+
+
 def test_i8mm_only_in_the_i8mm_class():
     """The rule's gate (probe.has_i8mm) from the targets the classes give: android-cpu's own class (dotprod) has
     none, the i8mm class has it, host-cpu is no AArch64 target."""
