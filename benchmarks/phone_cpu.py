@@ -193,7 +193,8 @@ def table(result: dict) -> str:
              f"tokens, prefill of a {PROMPT}-token prompt. `vec` = instructions naming a SIMD vector register. "
              "Both sides: whole program, all threads (ours: the bundle's objects linked with the TVM runtime as an "
              "app links them, run by clients/aarch64_vm/decode_driver.cc: VM, KV cache, thread pool included; "
-             "multi-thread runs with TVM_THREAD_POOL_SPIN_COUNT=0).", "",
+             f"multi-thread runs with TVM_THREAD_POOL_SPIN_COUNT=0). Ours is built for the same CPU class "
+             f"({result['class']}, configs/cpu_classes.yaml).", "",
              "GEMV: the decode instructions inside the GEMV / GEMM kernels (llama.cpp: ggml_vec_dot_* / ggml_gemv_* / "
              "ggml_gemm_* symbols; ours: the decode GEMV kernels run standalone x their calls: in the program they "
              "are merged with each layer's norms and activations into CPU regions).", "",

@@ -75,3 +75,14 @@ def test_whole_program_prefill_is_the_prompt_difference_less_its_decode_steps():
     assert decode["total"]["insns"] == pytest.approx(d)
     assert prefill["total"]["insns"] == pytest.approx(30)
     assert decode["range"]["insns"] == pytest.approx(d // 2, abs=1)
+
+
+def test_our_side_is_built_for_the_benchmarked_class():
+    """--cls i8mm builds ours with --phone of an i8mm phone (the smmla prefill); dotprod is the target's own."""
+    from benchmarks import phone_cpu_ours as ours
+    from pipeline.config import load_phone
+
+    assert ours.class_phone("dotprod") is None and ours.class_phone(None) is None
+    assert load_phone(ours.class_phone("i8mm"))["cpu_class"] == "i8mm"
+    with pytest.raises(qc.CounterError):
+        ours.class_phone("sve2")

@@ -18,7 +18,9 @@ per group for q4) and is scaled by [s(w0), s(w1), s(w0), s(w1)] x [step(p0), ste
 
 Per group of 32 k, an 8-row tile and PROMPT_PAIRS pairs of prompt rows (4 rows): 8 code loads, 8 `and` + 8
 `ushr` (q4), 16 `zip`, 32 `smmla`, the int32 tiles converted, scaled and added to fp32 partial sums once per
-group. An odd prompt's last row is paired with a copy of itself (the copy's outputs are not stored).
+group: read from the object, 125 instructions (119 vector), 0.122 per weight and prompt row (q8: 0.112). Three
+pairs per pass spill NEON registers (0.21). An odd prompt's last row is paired with a copy of itself (the
+copy's outputs are not stored).
 
 A task owns one tile of output rows and runs every row pair of the prompt against it (the tile's codes stay
 in L1); TVM's parallel loop gives each thread a contiguous range of tiles, so 1 and 4 threads compute every
