@@ -145,19 +145,20 @@ def test_i8mm_only_in_the_i8mm_class():
     assert not has_i8mm(load_target("host-cpu").tvm())
 
 
-@pytest.mark.slow   # ~15 s on 2 loaded cores (define + fuse, four kernels parsed): make test-slow
-def test_smmla_only_for_the_i8mm_class():
-    """The schedule rule on a SmolLM2-shaped layer's fused functions (android-cpu, q4f16; the first prefill matmul
-    and decode GEMV of row-interleaved codes: each kernel takes ~1 s to parse): with the i8mm class the prefill
-    matmul takes the smmla kernel and the decode GEMV stays on sdot (arm_rows.py); with the dotprod class (the
-    target's own) neither runs smmla."""
+@pytest.mark.slow   # ~15 s per scheme on 2 loaded cores (define + fuse, four kernels parsed): make test-slow
+@pytest.mark.parametrize("scheme", ["q4f16", "q8f16"])
+def test_smmla_only_for_the_i8mm_class(scheme):
+    """The schedule rule on a SmolLM2-shaped layer's fused functions (android-cpu; the first prefill matmul and
+    decode GEMV of row-interleaved q4 / q8 codes: each kernel takes ~1 s to parse): with the i8mm class the
+    prefill matmul takes the smmla kernel and the decode GEMV stays on sdot (arm_rows.py); with the dotprod
+    class (the target's own) neither runs smmla."""
     import dataclasses
 
     from test_qemu_aarch64 import SMOLLM2_SHAPE
     from tvm import tirx
 
     from pipeline.config import ModelSpec, load_quant, load_target
-    from pipeline.kernels.cpu.packed import OP_CLASS_ATTR, TILED_Q4
+    from pipeline.kernels.cpu.packed import OP_CLASS_ATTR, TILED_Q4, TILED_Q8
     from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
     from pipeline.kernels.cpu.schedule import CPUArmDot
     from pipeline.models.llama import DecoderConfig
@@ -167,11 +168,12 @@ def test_smmla_only_for_the_i8mm_class():
     loaded = Loaded(ModelSpec(name="smollm2-shape", hf_config=shape, weights=None), shape,
                     DecoderConfig.from_hf(shape), None)
     target = load_target("android-cpu")
-    mod = fuse(define(loaded, load_quant("q4f16"), target), target)      # the same functions for both classes
+    mod = fuse(define(loaded, load_quant(scheme), target), target)      # the same functions for both classes
+    stored = {"q4f16": TILED_Q4, "q8f16": TILED_Q8}[scheme]
     funcs = {}
     for gv, func in mod.functions_items():
         match = match_packed_nk_gemv(func, rows="prompt") or match_packed_nk_gemv(func, rows="one")
-        if isinstance(func, tirx.PrimFunc) and match is not None and match[0] == TILED_Q4:
+        if isinstance(func, tirx.PrimFunc) and match is not None and match[0] == stored:
             funcs.setdefault("prefill" if match_packed_nk_gemv(func, rows="prompt") else "decode", (gv.name_hint, func))
     assert set(funcs) == {"prefill", "decode"}, sorted(mod.get_global_vars())
     chosen = {}
