@@ -86,15 +86,17 @@ def ggufs(build, work: Path) -> dict[str, Path]:
     return llamacpp_ggufs(build, load_model("smollm2-135m").weights, list(PAIRS.values()), work)
 
 
-def measure_ours(quant: str, threads_list: list[int], work: Path, log=print, kernels: bool = False) -> dict:
+def measure_ours(quant: str, threads_list: list[int], work: Path, log=print, kernels: bool = False,
+                 cls: str = "dotprod") -> dict:
     """Whole program per thread count (benchmarks/phone_cpu_whole.py); with `kernels`, also the 1-thread step
-    kernel by kernel in the harness (benchmarks/phone_cpu_ours.py: where the instructions go)."""
+    kernel by kernel in the harness (benchmarks/phone_cpu_ours.py: where the instructions go). Our library is
+    built for CPU class `cls`, as llama.cpp is (the i8mm class: the smmla prefill, kernels/cpu/arm_mmla.py)."""
     from benchmarks import phone_cpu_ours as ours
     from benchmarks import phone_cpu_whole as whole
 
-    bundle = ours.build_bundle(quant, work / "dist")
+    bundle = ours.build_bundle(quant, work / ("dist" if ours.class_phone(cls) is None else f"dist-{cls}"), cls)
     weights = sum(r["nbytes"] for r in json.loads((bundle / "tensor-cache.json").read_text())["records"])
-    mod = ours.final_module(quant)     # what the library was compiled from (minutes: computed once)
+    mod = ours.final_module(quant, cls)     # what the library was compiled from (minutes: computed once)
     out = {"weights_bytes": weights, "threads": whole.measure(bundle, threads_list, log),
            "gemv": standalone_gemvs(quant, mod, bundle, log)}
     if kernels:
@@ -191,7 +193,8 @@ def table(result: dict) -> str:
              f"tokens, prefill of a {PROMPT}-token prompt. `vec` = instructions naming a SIMD vector register. "
              "Both sides: whole program, all threads (ours: the bundle's objects linked with the TVM runtime as an "
              "app links them, run by clients/aarch64_vm/decode_driver.cc: VM, KV cache, thread pool included; "
-             "multi-thread runs with TVM_THREAD_POOL_SPIN_COUNT=0).", "",
+             f"multi-thread runs with TVM_THREAD_POOL_SPIN_COUNT=0). Ours is built for the same CPU class "
+             f"({result['class']}, configs/cpu_classes.yaml).", "",
              "GEMV: the decode instructions inside the GEMV / GEMM kernels (llama.cpp: ggml_vec_dot_* / ggml_gemv_* / "
              "ggml_gemm_* symbols; ours: the decode GEMV kernels run standalone x their calls: in the program they "
              "are merged with each layer's norms and activations into CPU regions).", "",
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         for quant in schemes:
             result["llamacpp"][PAIRS[quant]] = {str(t): measure_llamacpp(build.bench, files[PAIRS[quant]], t)
                                                 for t in threads_list}
-            result["ours"][quant] = measure_ours(quant, threads_list, args.work, kernels=args.kernels)
+            result["ours"][quant] = measure_ours(quant, threads_list, args.work, kernels=args.kernels, cls=args.cls)
             result.setdefault("added", []).append({"scheme": quant, "commit": commit,
                                                    "date": datetime.date.today().isoformat()})
         return finish(result, files, threads_list, args.add.parent, start)
@@ -320,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama.cpp {qtype}", flush=True)
         result["llamacpp"][qtype] = {str(t): measure_llamacpp(build.bench, files[qtype], t) for t in threads_list}
         print(f"ours {quant}", flush=True)
-        result["ours"][quant] = measure_ours(quant, threads_list, args.work, kernels=args.kernels)
+        result["ours"][quant] = measure_ours(quant, threads_list, args.work, kernels=args.kernels, cls=args.cls)
     if args.poll0:
         result["llamacpp_poll0"] = poll0_rows(build.bench, files, result["llamacpp"])
     return finish(result, files, threads_list, args.out, start)

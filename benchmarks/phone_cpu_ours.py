@@ -47,13 +47,34 @@ class Call:
     role: str
 
 
-def final_module(quant: str):
-    """The android-cpu module as the build compiles it (after fusion, scheduling and the CPU regions)."""
+def class_phone(cls: str | None) -> str | None:
+    """A phone of configs/phones.yaml whose CPU class is `cls` (the build's `--phone` then compiles for that
+    class), None for the android-cpu target's own class; an error when no phone has it."""
+    import yaml
+
+    from pipeline.config import PHONES_FILE, load_phone, load_target
+
+    if cls is None or cls == load_target("android-cpu").cpu_class:
+        return None
+    phones = yaml.safe_load(PHONES_FILE.read_text())
+    found = next((name for name in phones if load_phone(name).get("cpu_class") == cls), None)
+    if found is None:
+        raise qc.CounterError(f"no phone of configs/phones.yaml has cpu_class {cls}")
+    return found
+
+
+def final_module(quant: str, cls: str | None = None):
+    """The android-cpu module as the build compiles it (after fusion, scheduling and the CPU regions), for CPU
+    class `cls` (default: the target's own)."""
+    import dataclasses
+
     from pipeline.compiler.backend import backend_for
     from pipeline.config import load_model, load_quant, load_target
     from pipeline.stages import define, fuse, load, tune
 
     target = load_target("android-cpu")
+    if cls is not None:
+        target = dataclasses.replace(target, cpu_class=cls)
     defined = define(load(load_model(MODEL)), load_quant(quant), target)
     mod, _ = tune(fuse(defined, target), target)
     mod, _ = backend_for(target).finish(mod)
@@ -139,10 +160,12 @@ def step_calls(mod, decoder, step: str, tokens: int, context: int, seed: int = 0
     return calls
 
 
-def build_bundle(quant: str, out: Path) -> Path:
-    """The android-cpu bundle from the project's CLI (reused from the pipeline's cache when unchanged)."""
+def build_bundle(quant: str, out: Path, cls: str | None = None) -> Path:
+    """The android-cpu bundle from the project's CLI (reused from the pipeline's cache when unchanged), for CPU
+    class `cls` through `--phone` (`class_phone`; default: the target's own class)."""
+    phone = class_phone(cls)
     cmd = [sys.executable, "-m", "pipeline", "build", "--model", MODEL, "--target", "android-cpu", "--quant",
-           quant, "--calibration", "none", "--out", str(out)]
+           quant, "--calibration", "none", "--out", str(out), *(["--phone", phone] if phone else [])]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise qc.CounterError(f"pipeline build {quant} failed: {done.stderr.strip()[-400:]}")

@@ -75,3 +75,30 @@ def test_whole_program_prefill_is_the_prompt_difference_less_its_decode_steps():
     assert decode["total"]["insns"] == pytest.approx(d)
     assert prefill["total"]["insns"] == pytest.approx(30)
     assert decode["range"]["insns"] == pytest.approx(d // 2, abs=1)
+
+
+def test_our_side_is_built_for_the_benchmarked_class():
+    """--cls i8mm builds ours with --phone of an i8mm phone (the smmla prefill); dotprod is the target's own."""
+    from benchmarks import phone_cpu_ours as ours
+    from pipeline.config import load_phone
+
+    assert ours.class_phone("dotprod") is None and ours.class_phone(None) is None
+    assert load_phone(ours.class_phone("i8mm"))["cpu_class"] == "i8mm"
+    with pytest.raises(qc.CounterError):
+        ours.class_phone("sve2")
+
+
+def test_prefill_accuracy_comparison():
+    """benchmarks/i8mm_prefill_accuracy.compare on made-up logits: identical rows agree with KL 0; a row whose
+    top-1 flips is counted, and its KL is positive."""
+    import numpy as np
+
+    from benchmarks.i8mm_prefill_accuracy import compare
+
+    a = np.array([[0.0, 1.0, 3.0], [2.0, 0.0, 1.0]])
+    same = compare(a, a)
+    assert (same["positions"], same["top1_same"], same["max_abs_dlogit"]) == (2, 2, 0.0) and abs(same["max_kl"]) < 1e-12
+    b = a.copy()
+    b[1, 1] = 2.5
+    moved = compare(a, b)
+    assert moved["top1_same"] == 1 and moved["max_abs_dlogit"] == 2.5 and moved["max_kl"] > 0.1

@@ -561,17 +561,22 @@ def add_dot_code(report: dict[str, Any], dot_code: dict[str, Any]) -> None:
     report["summary"]["dot_code"] = {
         "read_with": dot_code.get("read_with"), "quantized_matmuls": len(quantized), "with_dot": len(per_weight),
         "without_dot": [n for n in quantized if n not in kernels],
+        "with_smmla": [n for n in quantized if "smmla" in kernels.get(n, {}).get("dot_mnemonics", ())],
         "loop_instructions_per_weight": [per_weight[0], per_weight[-1]] if per_weight else None}
 
 
 def _dot_code_line(d: dict[str, Any]) -> str:
     if "note" in d:
         return f"Dot-product code: {d['note']}."
+    smmla = d.get("with_smmla") or []
     line = (f"Dot-product code (read from the library's objects with {d['read_with']}): {d['with_dot']} of "
-            f"{d['quantized_matmuls']} quantized matmul kernels run sdot")
+            f"{d['quantized_matmuls']} quantized matmul kernels run sdot" + (" or smmla" if smmla else ""))
     if d["loop_instructions_per_weight"]:
         low, high = d["loop_instructions_per_weight"]
-        line += f", hot loop {low}-{high} instructions per weight"
+        line += f", hot loop {low}-{high} instructions per weight" + (" (smmla: per weight and prompt row)" if smmla
+                                                                       else "")
+    if smmla:
+        line += f"; smmla (i8mm) in {len(smmla)}: {', '.join(smmla)}"
     if d["without_dot"]:
         line += f"; without: {', '.join(d['without_dot'])}"
     return line + "."

@@ -83,9 +83,13 @@ class LoopMix:
         return self.instructions * dots_per_weight / (self.dots * BYTES_PER_DOT) if self.dots else float("inf")
 
 
+MATRIX_MNEMONICS = ("smmla", "ummla", "usmmla")   # int8 operands only: x in one byte whatever the build's X_BYTES
+
+
 def hot_loop(code: list[Instruction]) -> LoopMix | None:
-    """The innermost loop holding dot instructions (a backward branch whose body has them, the shortest such
-    body), or None when the function has none."""
+    """The loop the dot products run in (a backward branch whose body has them: the one with the fewest
+    instructions per dot, i.e. the innermost, and of a prompt kernel's loops the one over several prompt rows
+    rather than its tail's), or None when the function has none."""
     best = None
     for i, insn in enumerate(code):
         if not _BRANCH.match(insn.mnemonic):
@@ -98,7 +102,7 @@ def hot_loop(code: list[Instruction]) -> LoopMix | None:
             continue
         body = [c for c in code[: i + 1] if c.address >= start]
         dots = sum(c.dot for c in body)
-        if dots and (best is None or len(body) < best.instructions):
+        if dots and (best is None or len(body) * best.dots < best.instructions * dots):
             best = LoopMix(len(body), sum(c.vector for c in body), dots)
     return best
 
@@ -110,9 +114,10 @@ def kernel_of(symbol: str) -> str:
 
 
 def dot_kernels(objects: list[Path], objdump: str, prefix: str = "", x_bytes: int = 1) -> dict[str, dict[str, float]]:
-    """{kernel (system-lib prefix removed): {"dot_instructions", "loop_instructions", "loop_vector",
-    "instructions_per_weight"}} for every kernel of `objects` whose code holds a dot instruction; `x_bytes`:
-    the bytes per activation the kernels were built with (arm.X_BYTES), each a dot product per weight."""
+    """{kernel (system-lib prefix removed): {"dot_instructions", "dot_mnemonics", "loop_instructions",
+    "loop_vector", "instructions_per_weight"}} for every kernel of `objects` whose code holds a dot instruction;
+    `x_bytes`: the bytes per activation the sdot kernels were built with (arm.X_BYTES), each a dot product per
+    weight (a kernel of matrix dots: one; its figure is then per weight and prompt row)."""
     out: dict[str, dict[str, float]] = {}
     for obj in objects:
         for symbol, code in functions(disassemble(obj, objdump)).items():
@@ -120,9 +125,11 @@ def dot_kernels(objects: list[Path], objdump: str, prefix: str = "", x_bytes: in
             loop = hot_loop(code)
             if not dots or loop is None:
                 continue
+            mnemonics = sorted({c.mnemonic for c in code if c.dot})
+            per_dot = 1 if set(mnemonics) <= set(MATRIX_MNEMONICS) else x_bytes
             name = kernel_of(symbol).removeprefix(prefix)
-            out[name] = {"dot_instructions": dots, "loop_instructions": loop.instructions,
-                         "loop_vector": loop.vector, "instructions_per_weight": round(loop.per_weight(x_bytes), 3)}
+            out[name] = {"dot_instructions": dots, "dot_mnemonics": mnemonics, "loop_instructions": loop.instructions,
+                         "loop_vector": loop.vector, "instructions_per_weight": round(loop.per_weight(per_dot), 3)}
     return out
 
 

@@ -61,12 +61,16 @@ def _lanes_reduce(v, lanes: int, op):
     return v
 
 
-def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: float):
+def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: float, pair_rows: bool = False):
     """A TIR macro quantize_row(x, xq, base, r) in NEON vectors: row r of x in integer steps of each group of 32
     (step max|x| / q_max, q = round(x / step) as arm.nk_dot_kernel's scalar loop computes it, value for value), stored
     at `interleaved_position` (two bytes: the group's high bytes, then its low ones), base[r, 2 g] = -offset
     sum(q), base[r, 2 g + 1] the step's fp32 bits. The scalar form cost ~37 instructions per value, 3.6 M of
-    a SmolLM2 decode step's 43 M in the GEMVs."""
+    a SmolLM2 decode step's 43 M in the GEMVs.
+
+    `pair_rows` (int8 only; arm_mmla.py's smmla operands): quantize_row(x, xq, base, r, src) stores row src of x
+    as row r % 2 of pair r // 2, each 8 values of a group next to the other row's same 8 (xq [pairs, k / 8, 16]),
+    and base [pairs, groups, 8] = the pair's offset terms as [r0, r0, r1, r1], then their steps' bits so."""
     group, groups = spec.group, k // spec.group
     order = [interleaved_position(j, spec.bits) for j in range(8)]      # within each 8 values (one q4 word)
     gather = [order.index(p) for p in range(8)]                          # stored byte p <- value gather[p]
@@ -74,7 +78,9 @@ def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: f
     @T.macro
     def store(xq, r, g, i, q):
         """Values 8 i .. 8 i + 7 of group g (int32x8 steps q) into their bytes."""
-        if x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
+        if pair_rows:
+            xq[r // 2, g * (group // 8) + i, T.Ramp(r % 2 * 8, 1, 8)] = T.Shuffle([T.Cast("int8x8", q)], gather)
+        elif x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
             hi: T.let[T.int32x8] = T.shift_right(q + T.Broadcast(128, 8), T.Broadcast(8, 8))
             xq[r, 0, T.Ramp(2 * g * group + 8 * i, 1, 8)] = T.Shuffle([T.Cast("int8x8", hi)], gather)
             xq[r, 0, T.Ramp((2 * g + 1) * group + 8 * i, 1, 8)] = T.Shuffle(
@@ -83,22 +89,37 @@ def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: f
             xq[r, 0, T.Ramp(g * group + 8 * i, 1, 8)] = T.Shuffle([T.Cast("int8x8", q)], gather)
 
     @T.macro
-    def quantize_row(x, xq, base, r):
-        for g in range(groups):
-            v = [T.Cast("float32x8", x[0, r, T.Ramp(g * group + 8 * i, 1, 8)]) for i in range(group // 8)]
-            amax: T.let[T.float32] = _lanes_reduce(T.max(T.max(T.fabs(v[0]), T.fabs(v[1])), T.max(
-                T.fabs(v[2]), T.fabs(v[3]))), 8, T.max)
-            inv: T.let[T.float32] = T.if_then_else(amax > T.float32(0), T.float32(q_max) / amax, T.float32(0))
-            q = [T.Cast("int32x8", T.round(v[i] * T.Broadcast(inv, 8))) for i in range(group // 8)]
-            store(xq, r, g, 0, q[0])
-            store(xq, r, g, 1, q[1])
-            store(xq, r, g, 2, q[2])
-            store(xq, r, g, 3, q[3])
-            total: T.let[T.int32] = _lanes_reduce(q[0] + q[1] + q[2] + q[3], 8, lambda a, b: a + b)
+    def quantize_group(x, xq, base, r, src, g):
+        v = [T.Cast("float32x8", x[0, src, T.Ramp(g * group + 8 * i, 1, 8)]) for i in range(group // 8)]
+        amax: T.let[T.float32] = _lanes_reduce(T.max(T.max(T.fabs(v[0]), T.fabs(v[1])), T.max(
+            T.fabs(v[2]), T.fabs(v[3]))), 8, T.max)
+        inv: T.let[T.float32] = T.if_then_else(amax > T.float32(0), T.float32(q_max) / amax, T.float32(0))
+        q = [T.Cast("int32x8", T.round(v[i] * T.Broadcast(inv, 8))) for i in range(group // 8)]
+        store(xq, r, g, 0, q[0])
+        store(xq, r, g, 1, q[1])
+        store(xq, r, g, 2, q[2])
+        store(xq, r, g, 3, q[3])
+        total: T.let[T.int32] = _lanes_reduce(q[0] + q[1] + q[2] + q[3], 8, lambda a, b: a + b)
+        if pair_rows:
+            base[r // 2, g, T.Ramp(r % 2 * 2, 1, 2)] = T.Broadcast(total * -spec.offset, 2)
+            base[r // 2, g, T.Ramp(4 + r % 2 * 2, 1, 2)] = T.Broadcast(
+                T.reinterpret("int32", amax * T.float32(1.0 / q_max)), 2)
+        else:
             base[r, g * 2] = total * -spec.offset
             base[r, g * 2 + 1] = T.reinterpret("int32", amax * T.float32(1.0 / q_max))
 
-    return quantize_row
+    @T.macro
+    def quantize_row(x, xq, base, r):
+        for g in range(groups):
+            quantize_group(x, xq, base, r, r, g)
+
+    @T.macro
+    def quantize_pair_row(x, xq, base, r, src):
+        for g in range(groups):
+            quantize_group(x, xq, base, r, src, g)
+
+    assert not pair_rows or x_bytes == 1, "smmla operands are int8"
+    return quantize_pair_row if pair_rows else quantize_row
 
 
 def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "float16",

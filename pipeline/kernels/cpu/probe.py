@@ -91,3 +91,12 @@ def has_dotprod(target) -> bool:
                 and bool(codegen.target_has_features("dotprod", target)))
     except Exception:  # noqa: BLE001 - not an AArch64 LLVM target
         return False
+
+
+def has_i8mm(target) -> bool:
+    """`has_dotprod` and the i8mm extension (smmla: armv8.6-a, phone cores from 2022 on; configs/cpu_classes.yaml's
+    i8mm class): the prefill matmul takes arm_mmla.py's smmla kernel."""
+    try:
+        return has_dotprod(target) and bool(codegen.target_has_features("i8mm", target))
+    except Exception:  # noqa: BLE001 - not an AArch64 LLVM target
+        return False
