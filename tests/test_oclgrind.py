@@ -190,3 +190,44 @@ def test_split_kv_attention_is_clean_under_oclgrind_at_large_heads():
     run, refs = _attention_under_oclgrind({"split_kv_qwen27b": ((4, 24, 256), [17]),
                                            "split_kv_qwen3": ((8, 16, 128), [90, 3])})
     _assert_clean_and_right(run, refs)
+
+
+def _gdn_decode_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int, int], int]]):
+    """The tiled GDN decode step (kernels/gpu/gdn.py) at each ((Hk, Hv, Dk, Dv), max_threads) on model-like inputs
+    (test_gdn_kernels._inputs): the run and numpy's float64 (o, state)."""
+    from test_gdn_kernels import _inputs
+
+    from pipeline.models.gdn_kernels import gdn_decode, gdn_reference
+
+    funcs, cases, refs = {}, {}, {}
+    for name, (shape, max_threads) in shapes.items():
+        funcs[name] = gdn_decode(*shape, "float32", gpu=True, max_threads=max_threads).with_attr("global_symbol", name)
+        q, k, v, g, beta, state = _inputs(shape, 1, seed=4)
+        cases[name] = [q[0], k[0], v[0], g[0], beta[0], state, np.zeros(v.shape[1:], np.float32), np.zeros_like(state)]
+        o, s = gdn_reference(q, k, v, g, beta, state)
+        refs[name] = (o[0], s)
+    return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), refs
+
+
+def _assert_gdn_clean_and_right(run, refs):
+    for name, (o, s) in refs.items():
+        assert name not in run.failed, run.failed[name]
+        assert run.total(name) == 0, run.first.get(name)
+        assert name not in run.unchecked, run.unchecked[name]
+        for got, want in ((run.outputs[name][6], o), (run.outputs[name][7], s)):
+            assert float(np.abs(got - want).max()) <= TOL * max(1.0, float(np.abs(want).max())), name
+
+
+def test_gdn_decode_is_clean_under_oclgrind():
+    """Rows past Dk in the last row group, columns past Dv with 2- and 1-column vectors, a GQA group of 3: no race
+    (the local-memory partial sums), out-of-bounds or uninitialised read; numpy's o and state (10 s with the 2-core machine at load 11, mostly the Oclgrind child's start)."""
+    run, refs = _gdn_decode_under_oclgrind({"gdn_rows": ((1, 2, 36, 30), 256), "gdn_cols": ((1, 3, 20, 27), 256)})
+    _assert_gdn_clean_and_right(run, refs)
+
+
+@pytest.mark.slow
+def test_gdn_decode_is_clean_under_oclgrind_at_model_shapes():
+    """qwen27b's GDN layer (16 key / 48 value heads of 128: 192 work-groups of 128 work-items, 3 MiB of state) and
+    the 4-value-head test model's (2 / 4 heads of 32: 16 work-groups of 8) (~1 min)."""
+    run, refs = _gdn_decode_under_oclgrind({"gdn_qwen27b": ((16, 48, 128, 128), 256), "gdn_tiny": ((2, 4, 32, 32), 256)})
+    _assert_gdn_clean_and_right(run, refs)

@@ -48,6 +48,8 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
+from pipeline.kernels.gpu.gdn import gdn_decode_gpu
+
 __all__ = ["gdn_decode", "gdn_prefill", "gdn_reference", "gdn_segments"]
 
 
@@ -89,6 +91,8 @@ def gdn_decode(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, sc
     """One-token gated delta rule step (see the module docstring for buffers and math)."""
     gdt = gate_dtype or dtype
     group, scale, outer, inner, threads, bph, guard = _setup(Hk, Hv, Dk, Dv, scale, gpu, max_threads)
+    if gpu:   # state tiles per work-group (kernels/gpu/gdn.py); the loop kernel below is the CPU one
+        return _finish(gdn_decode_gpu(Hk, Hv, Dk, Dv, dtype, scale, gdt, max_threads), name, gpu)
 
     @T.prim_func
     def gdn_decode_func(q: T.Buffer((Hk, Dk), dtype), k: T.Buffer((Hk, Dk), dtype),
