@@ -25,8 +25,8 @@ cannot be built for LLVM). Work items per block are ``min(Dv, max_threads)`` wit
 not divide ``Dv``. Not tuned: each work item keeps ``Dk`` floats in private memory and every work item of a
 head re-reads the same q/k rows (served by the cache), acceptable for a sequential, token-by-token prefill.
 The GPU decode step is not this loop kernel: ``gdn_decode(gpu=True)`` is ``kernels/gpu/gdn.py``'s, with
-the state split into tiles per work-group held in registers (a 128-float private column per work item spills
-on a phone GPU, and 48 heads were 48 work-groups).
+the state split into tiles per work-group held in registers (a 128-float private column per work item is
+more than a GPU work item's registers, and 48 heads were 48 work-groups).
 
 Buffers (``dtype`` for activations, float32 for the state; g and beta in ``gate_dtype``, default ``dtype`` —
 the model passes float32 so the log-space decay keeps its precision under fp16 activations)::

@@ -3,8 +3,8 @@
 The math is `models/gdn_kernels.py`'s (per value head h with its fp32 state S [Dk, Dv]: decay by exp(g),
 kv_mem = S^T k, delta = (v - kv_mem) * beta, S += outer(k, delta), o = S^T q * scale). Decode is a pass over
 the state: qwen27b's 48 value heads x 128 x 128 fp32 are 3 MiB per GDN layer read and 3 MiB written per
-token, 48 layers. The loop kernel gave one work-item a whole state column (a `float[128]` array walked by
-non-unrolled loops: private memory, not registers) and one work-group per head. Here:
+token, 48 layers. The loop kernel gave one work-item a whole state column (a `float[128]` private array, more
+than a work-item's registers: clang for an AMD GPU spills it, docs/kernels.md) and one work-group per head. Here:
 
 * a work-group owns one value head's column tile of TC = L x VC columns, all Dk rows; L column lanes of
   VC (4: one 16-byte `float4` load / store of the state) x RG row groups of work-items. A work-item keeps
