@@ -62,6 +62,7 @@ def plan(hv: int, dk: int, dv: int, max_threads: int = 256) -> Plan:
     widest = min(8, _pow2_at_least(-(-dv // vc)))
     lanes = next((n for n in (8, 4, 2) if n <= widest and hv * -(-dv // (n * vc)) >= FILL_GROUPS),
                  min(2, widest))
+    lanes = max(1, min(lanes, max_threads))
     row_groups = max(1, min(_pow2_at_least(-(-dk // ROWS)), max_threads // lanes))
     tiles = -(-dv // (lanes * vc))
     return Plan(vc, lanes, row_groups, -(-dk // row_groups), tiles, hv * tiles)
