@@ -72,6 +72,10 @@ def oclgrind_run():
         x = rng.standard_normal((1, 1, k)).astype(np.float32)
         cases[name] = [codes, scales, x, np.zeros((1, 1, n), np.float32)]
         exact[name] = x[0, 0].astype(np.float64) @ dense
+    gdn_funcs, gdn_cases, gdn_refs = _gdn_decode_cases(GDN_GUARD_SHAPES)   # in the same child: one start
+    funcs.update(gdn_funcs)
+    cases.update(gdn_cases)
+    exact.update(gdn_refs)
     funcs = {n: f.with_attr("global_symbol", n) for n, f in funcs.items()}
     return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), exact
 
@@ -192,9 +196,14 @@ def test_split_kv_attention_is_clean_under_oclgrind_at_large_heads():
     _assert_clean_and_right(run, refs)
 
 
-def _gdn_decode_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int, int], int]]):
+# GDN decode shapes ((Hk, Hv, Dk, Dv), max_threads): rows past Dk in the last row group, columns past Dv with 2- and
+# 1-column vectors, a GQA group of 3
+GDN_GUARD_SHAPES = {"gdn_rows": ((1, 2, 36, 30), 256), "gdn_cols": ((1, 3, 20, 27), 256)}
+
+
+def _gdn_decode_cases(shapes: dict[str, tuple[tuple[int, int, int, int], int]]):
     """The tiled GDN decode step (kernels/gpu/gdn.py) at each ((Hk, Hv, Dk, Dv), max_threads) on model-like inputs
-    (test_gdn_kernels._inputs): the run and numpy's float64 (o, state)."""
+    (test_gdn_kernels._inputs): the functions, their arguments and numpy's float64 (o, state)."""
     from test_gdn_kernels import _inputs
 
     from pipeline.models.gdn_kernels import gdn_decode, gdn_reference
@@ -206,6 +215,11 @@ def _gdn_decode_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int, int]
         cases[name] = [q[0], k[0], v[0], g[0], beta[0], state, np.zeros(v.shape[1:], np.float32), np.zeros_like(state)]
         o, s = gdn_reference(q, k, v, g, beta, state)
         refs[name] = (o[0], s)
+    return funcs, cases, refs
+
+
+def _gdn_decode_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int, int], int]]):
+    funcs, cases, refs = _gdn_decode_cases(shapes)
     return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), refs
 
 
@@ -218,11 +232,11 @@ def _assert_gdn_clean_and_right(run, refs):
             assert float(np.abs(got - want).max()) <= TOL * max(1.0, float(np.abs(want).max())), name
 
 
-def test_gdn_decode_is_clean_under_oclgrind():
-    """Rows past Dk in the last row group, columns past Dv with 2- and 1-column vectors, a GQA group of 3: no race
-    (the local-memory partial sums), out-of-bounds or uninitialised read; numpy's o and state (10 s with the 2-core machine at load 11, mostly the Oclgrind child's start)."""
-    run, refs = _gdn_decode_under_oclgrind({"gdn_rows": ((1, 2, 36, 30), 256), "gdn_cols": ((1, 3, 20, 27), 256)})
-    _assert_gdn_clean_and_right(run, refs)
+def test_gdn_decode_is_clean_under_oclgrind(oclgrind_run):
+    """GDN_GUARD_SHAPES, in the GEMVs' Oclgrind child: no race (the local-memory partial sums), out-of-bounds or
+    uninitialised read; numpy's o and state."""
+    run, exact = oclgrind_run
+    _assert_gdn_clean_and_right(run, {n: exact[n] for n in GDN_GUARD_SHAPES})
 
 
 @pytest.mark.slow
