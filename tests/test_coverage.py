@@ -260,3 +260,77 @@ def test_adreno_residual_add_and_norm_are_one_launch(adreno):
     assert [r["decode_step"]["calls"] for r in decode.values() if r["op_class"] == "rmsnorm" and r not in fused] == [1]
     assert not [n for n in decode if n.startswith("add")], sorted(decode)
     assert all(r["gpu_cost"]["launches"] == [(1, 64)] and r["gpu_cost"]["barriers"] == "1" for r in fused)
+
+
+def test_rnn_state_builtins_count_as_calls_of_their_copy_kernels():
+    """The runtime's RNN state runs the module's `rnn_state_{get|set}_{state id}` per builtin call
+    (models/recurrent_state.py): those are decode calls of the copy kernels, by state id."""
+    from tvm import relax as rx
+
+    from pipeline.report.coverage import relax_callers
+
+    bb = rx.BlockBuilder()
+    state = rx.Var("state", rx.AnyType())
+    with bb.function("decode", [state]):
+        got = bb.emit(rx.call_dps_packed("vm.builtin.rnn_state_get", [state, rx.prim_value(2), rx.prim_value(1)],
+                                         out_ty=rx.TensorType((1, 16), "float32")))
+        new = bb.emit(rx.call_pure_packed("vm.builtin.rnn_state_set", state, rx.prim_value(2), rx.prim_value(1), got,
+                                          ty_args=rx.AnyType()))
+        new = bb.emit(rx.call_pure_packed("vm.builtin.rnn_state_set", new, rx.prim_value(0), rx.prim_value(0), got,
+                                          ty_args=rx.AnyType()))
+        bb.emit_func_output(new)
+    calls, _ = relax_callers(bb.get())
+    assert calls == {"rnn_state_get_1": {"decode": 1}, "rnn_state_set_1": {"decode": 1},
+                     "rnn_state_set_0": {"decode": 1}}
+
+
+def test_adreno_reshapes_that_become_views_launch_nothing(adreno_built):
+    """A call of a pure reshape kernel is rewritten into a view when the library is lowered (compile.py:
+    RewriteDataflowReshape): the report gives it no decode call, so its bytes are not in the decode step."""
+    from tvm import relax
+
+    from pipeline.report.coverage import relax_callers
+
+    _, mod, records, target = adreno_built
+    before, _ = relax_callers(mod)
+    after, _ = relax_callers(relax.transform.RewriteDataflowReshape()(mod))
+    views = {n for n, c in before.items() if "decode" in c and "decode" not in after.get(n, {})}
+    assert views and all("reshape" in n for n in views), views
+    report = coverage_report(mod, records, target)
+    rows = {r["name"]: r for r in report["kernels"]}
+    assert all(rows[n]["decode_step"]["calls"] == 0 for n in views)
+
+
+@pytest.mark.slow
+def test_hybrid_adreno_gdn_state_traffic():
+    """A qwen27b-shaped hybrid (3 GDN layers of 2 key / 4 value heads of 32, 1 full attention) for android-adreno
+    (~30 s): the GDN decode row is our tiled kernel (launch, 16-byte state loads, 3 barriers, state read and
+    written in its bytes); each GDN layer's state is copied in and out by the runtime (rnn_state_get / set,
+    costed: twice the state); the state's reshapes are views."""
+    from pipeline.config import ModelSpec, load_quant, load_target
+    from pipeline.kernels.gpu.gdn import plan
+    from pipeline.models import config_from_hf
+    from pipeline.stages import Loaded, define, fuse, tune
+
+    hf = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=128,
+              intermediate_size=256, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+              vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    target = load_target("android-adreno")
+    defined = define(Loaded(ModelSpec(name="hybrid-shape", hf_config=hf, weights=None), hf, config_from_hf(hf), None),
+                     load_quant("q4f16"), target)
+    mod, records = tune(fuse(defined, target), target)
+    rows = {r["name"]: r for r in coverage_report(mod, records, target, context_len=64)["kernels"]}
+    state = 4 * 32 * 32 * 4
+    gdn = rows["gdn_decode"]
+    p = plan(4, 32, 32, 128)
+    assert gdn["decode_step"]["calls"] == 3 and gdn["decode_step"]["bytes_per_call"] > 2 * state
+    assert gdn["gpu_cost"]["launches"] == [(p.groups, p.work_items)] and gdn["gpu_cost"]["barriers"] == "3"
+    assert (gdn["gpu_cost"]["loads_per_work_item"], gdn["gpu_cost"]["load_bytes"]) == (8, 16)
+    for name in ("rnn_state_get_1", "rnn_state_set_1"):
+        assert rows[name]["decode_step"]["calls"] == 3 and rows[name]["decode_step"]["bytes_per_call"] == 2 * state + 8
+        assert rows[name]["gpu_cost"]["predicted_us_per_call"] is not None
+    assert not [n for n, r in rows.items() if r["decode_step"]["calls"] and r["decode_step"]["bytes_per_call"] == 2 * state
+                and "reshape" in n]

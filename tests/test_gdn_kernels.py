@@ -207,6 +207,39 @@ def test_gpu_build_guarded_columns():
     assert lib.imports[0].inspect_source().count("__kernel void") >= 2
 
 
+def test_gpu_decode_state_tiles_at_qwen27b_shape():
+    """qwen27b's GDN decode (16 key / 48 value heads, Dk = Dv = 128) as emitted for Adreno in fp16: 192 work-groups
+    (48 heads x 4 tiles of 32 columns) of 128 work-items, each keeping 8 rows x 4 columns of the state in a
+    32-float register array (the loop kernel's was a whole 128-float column), state read and written as
+    16-byte float4 vectors, three barriers, every sum in float and only o stored as half."""
+    from pipeline.kernels.gpu.gdn import FILL_GROUPS, plan
+    from pipeline.verify.opencl_plan import ADRENO_TARGET, accumulators, opencl_kernels
+
+    func = gdn_decode(16, 48, 128, 128, "float16", gpu=True, max_threads=256, gate_dtype="float32")
+    program = opencl_kernels(func.with_attr("global_symbol", "main"), ADRENO_TARGET)
+    (launch,) = program.launches("main")
+    assert "grid=(4, 3, 16) block=(8, 16, 1)" in launch.describe(), launch.describe()
+    p = plan(48, 128, 128, 256)
+    assert (p.groups, p.work_items, p.rows * p.vc) == (192, 128, 32) and p.groups >= FILL_GROUPS
+    src = program.source
+    arrays = {m[1]: (m[0], int(m[2])) for m in re.findall(r"^\s*(?:__local )?(\w+) (\w+)\[(\d+)\];", src, re.M)}
+    assert arrays["st_ptr"] == ("float", 32) and arrays["part_kv_ptr"] == ("float", 16 * 32), arrays
+    assert max(n for name, (_, n) in arrays.items() if name != "part_kv_ptr") == 32, arrays   # no 128-float column
+    assert src.count("vload4(0, state_in_ptr") == 8 and src.count("state_out_ptr +") == 8
+    assert src.count("barrier(") == 3
+    sums = {v: t for per in accumulators(src).values() for v, t in per.items()}
+    assert {"acc_ptr", "st_ptr"} <= set(sums) and set(sums.values()) == {"float"}, sums
+    assert re.search(r"o_ptr\[[^\n]*\] = \(convert_half\(", src)
+
+
+def test_gpu_decode_builds_for_metal():
+    """ios-metal gets the same tiled kernel (float4 state vectors and threadgroup barriers exist in Metal)."""
+    metal = tvm.target.Target({"kind": "metal", "max_threads_per_block": 1024, "host": {"kind": "llvm"}})
+    func = gdn_decode(2, 6, 32, 32, "float16", gpu=True, gate_dtype="float32").with_attr("global_symbol", "main")
+    src = tvm.tirx.build(tvm.IRModule({"main": func}), target=metal).imports[0].inspect_source()
+    assert "kernel void" in src and src.count("threadgroup_barrier") == 3 and "float4" in src
+
+
 def _pocl():
     from pipeline.verify.opencl import find_opencl_device
 
@@ -218,7 +251,10 @@ def _pocl():
     return opencl_kernels, run_on_pocl
 
 
-@pytest.mark.parametrize("shape,max_threads", [(SHAPES[0], 128), ((1, 2, 8, 24), 16)])
+# (Hk, Hv, Dk, Dv), max_threads; decode (kernels/gpu/gdn.py): rows past Dk in the last row group (36 = 8 x 5 - 4),
+# columns past Dv in the last tile with 2- and 1-column vectors (30, 27 columns)
+@pytest.mark.parametrize("shape,max_threads", [(SHAPES[0], 128), ((1, 2, 8, 24), 16), ((1, 2, 36, 30), 256),
+                                               ((1, 3, 20, 27), 256)])
 def test_gpu_kernels_on_pocl(shape, max_threads):
     opencl_kernels, run_on_pocl = _pocl()
     hk, hv, dk, dv = shape
@@ -240,6 +276,19 @@ def test_gpu_kernels_on_pocl(shape, max_threads):
     o_ref, s_ref = gdn_reference(q[:1], k[:1], v[:1], g[:1], beta[:1], state)
     _check(o1, o_ref[0], "pocl decode o")
     _check(s1, s_ref, "pocl decode state")
+
+
+def test_gpu_decode_on_pocl_at_qwen27b_shape():
+    """qwen27b's GDN decode (16 / 48 heads of 128: 192 work-groups of 128) on PoCL against float64 numpy (~1 s)."""
+    opencl_kernels, run_on_pocl = _pocl()
+    shape = (16, 48, 128, 128)
+    q, k, v, g, beta, state = _inputs(shape, 1, seed=21)
+    prog = opencl_kernels(gdn_decode(*shape, "float32", gpu=True, max_threads=256), ADRENO)
+    out = run_on_pocl(prog, "main", [q[0], k[0], v[0], g[0], beta[0], state.copy(), np.zeros(v.shape[1:], np.float32),
+                                     np.zeros_like(state)])
+    o_ref, s_ref = gdn_reference(q, k, v, g, beta, state)
+    _check(out[6], o_ref[0], "pocl decode o (qwen27b)")
+    _check(out[7], s_ref, "pocl decode state (qwen27b)")
 
 
 def test_float16_activations_llvm():

@@ -72,6 +72,10 @@ def oclgrind_run():
         x = rng.standard_normal((1, 1, k)).astype(np.float32)
         cases[name] = [codes, scales, x, np.zeros((1, 1, n), np.float32)]
         exact[name] = x[0, 0].astype(np.float64) @ dense
+    gdn_funcs, gdn_cases, gdn_refs = _gdn_decode_cases(GDN_GUARD_SHAPES)   # in the same child: one start
+    funcs.update(gdn_funcs)
+    cases.update(gdn_cases)
+    exact.update(gdn_refs)
     funcs = {n: f.with_attr("global_symbol", n) for n, f in funcs.items()}
     return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), exact
 
@@ -190,3 +194,106 @@ def test_split_kv_attention_is_clean_under_oclgrind_at_large_heads():
     run, refs = _attention_under_oclgrind({"split_kv_qwen27b": ((4, 24, 256), [17]),
                                            "split_kv_qwen3": ((8, 16, 128), [90, 3])})
     _assert_clean_and_right(run, refs)
+
+
+# GDN decode shapes ((Hk, Hv, Dk, Dv), max_threads): rows past Dk in the last row group, columns past Dv with 2- and
+# 1-column vectors, a GQA group of 3
+GDN_GUARD_SHAPES = {"gdn_rows": ((1, 2, 36, 30), 256), "gdn_cols": ((1, 3, 20, 27), 256)}
+
+
+def _gdn_decode_cases(shapes: dict[str, tuple[tuple[int, int, int, int], int]]):
+    """The tiled GDN decode step (kernels/gpu/gdn.py) at each ((Hk, Hv, Dk, Dv), max_threads) on model-like inputs
+    (test_gdn_kernels._inputs): the functions, their arguments and numpy's float64 (o, state)."""
+    from test_gdn_kernels import _inputs
+
+    from pipeline.models.gdn_kernels import gdn_decode, gdn_reference
+
+    funcs, cases, refs = {}, {}, {}
+    for name, (shape, max_threads) in shapes.items():
+        funcs[name] = gdn_decode(*shape, "float32", gpu=True, max_threads=max_threads).with_attr("global_symbol", name)
+        q, k, v, g, beta, state = _inputs(shape, 1, seed=4)
+        cases[name] = [q[0], k[0], v[0], g[0], beta[0], state, np.zeros(v.shape[1:], np.float32), np.zeros_like(state)]
+        o, s = gdn_reference(q, k, v, g, beta, state)
+        refs[name] = (o[0], s)
+    return funcs, cases, refs
+
+
+def _gdn_decode_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int, int], int]]):
+    funcs, cases, refs = _gdn_decode_cases(shapes)
+    return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), refs
+
+
+def _assert_gdn_clean_and_right(run, refs):
+    for name, (o, s) in refs.items():
+        assert name not in run.failed, run.failed[name]
+        assert run.total(name) == 0, run.first.get(name)
+        assert name not in run.unchecked, run.unchecked[name]
+        for got, want in ((run.outputs[name][6], o), (run.outputs[name][7], s)):
+            assert float(np.abs(got - want).max()) <= TOL * max(1.0, float(np.abs(want).max())), name
+
+
+def test_gdn_decode_is_clean_under_oclgrind(oclgrind_run):
+    """GDN_GUARD_SHAPES, in the GEMVs' Oclgrind child: no race (the local-memory partial sums), out-of-bounds or
+    uninitialised read; numpy's o and state."""
+    run, exact = oclgrind_run
+    _assert_gdn_clean_and_right(run, {n: exact[n] for n in GDN_GUARD_SHAPES})
+
+
+@pytest.mark.slow
+def test_gdn_decode_is_clean_under_oclgrind_at_model_shapes():
+    """qwen27b's GDN layer (16 key / 48 value heads of 128: 192 work-groups of 128 work-items, 3 MiB of state) and
+    the 4-value-head test model's (2 / 4 heads of 32: 16 work-groups of 8) (~1 min)."""
+    run, refs = _gdn_decode_under_oclgrind({"gdn_qwen27b": ((16, 48, 128, 128), 256), "gdn_tiny": ((2, 4, 32, 32), 256)})
+    _assert_gdn_clean_and_right(run, refs)
+
+
+@pytest.mark.slow
+def test_every_hybrid_adreno_non_kv_kernel_under_oclgrind():
+    """The fp32 twin of a qwen27b-shaped hybrid (one GDN and one full-attention layer of the 4-layer test model's
+    sizes; verify/execution.twin_module, as the build's PoCL check) for android-adreno: every kernel but the paged
+    KV cache's (run above on their consistent cache for SmolLM2), scheduled by the target's rules, on in-range
+    inputs under Oclgrind: no report. The GDN conv / gates / norms, the RNN state's copies (slot ids below the
+    5 sequences and 5 history slots), the GDN decode, prefill and segments included (~45-70 s)."""
+    from tvm import tirx
+
+    from pipeline.compiler.schedule import schedule_module
+    from pipeline.config import ModelSpec, load_quant, load_target
+    from pipeline.models import config_from_hf
+    from pipeline.stages import Loaded
+    from pipeline.verify.execution import KV_DRIVEN, random_args, twin_module
+
+    hf = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=128,
+              intermediate_size=256, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+              vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    target = load_target("android-adreno")
+    loaded = Loaded(ModelSpec(name="hybrid-shape", hf_config=hf, weights=None), hf, config_from_hf(hf), None)
+    mod = twin_module(loaded, load_quant("q4f16"), target)
+    spec = {**target.tvm_target, "host": {"kind": "llvm"}}
+    tvm_target = tvm.target.Target(spec)
+    sizes = {"seq_len": 5, "batch_size": 5, "num_seq": 5, "num_seqs": 5, "history": 5, "batch": 5, "n": 5, "b": 5}
+    funcs, cases = {}, {}
+    for gv, func in mod.functions_items():
+        name = gv.name_hint
+        if not isinstance(func, tirx.PrimFunc) or any(k in name for k in KV_DRIVEN):
+            continue
+        func = func.with_attr("global_symbol", name)
+        scheduled, _ = schedule_module(tvm.IRModule({name: func}), tvm_target, target.schedule_rules, "gpu")
+        try:
+            args = random_args(func, np.random.default_rng(0), sizes)
+        except KeyError:   # a size this test does not give (a kernel sized by something else): listed below
+            continue
+        funcs[name] = scheduled[name]
+        # ids, slots, token rows and segment ends: 0, 1, .. 4 (distinct sequences: two batch rows writing one
+        # sequence's slot would be a race of the inputs, not of the kernel)
+        cases[name] = [(np.arange(a.size) % 5).reshape(a.shape).astype(a.dtype)
+                       if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
+    run = run_under_oclgrind(tvm.IRModule(funcs), spec, cases, timeout=3000)
+    print(f"\nOclgrind: {len(cases)} kernels of {sum(isinstance(f, tirx.PrimFunc) for _, f in mod.functions_items())}; "
+          f"reports: { {n: run.reports[n] for n in cases if run.total(n)} }; unchecked: {sorted(run.unchecked)}; "
+          f"left out: {sorted({gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)} - set(cases))}")
+    assert not run.failed, run.failed
+    assert {"gdn_decode", "gdn_prefill", "gdn_segments", "rnn_state_get_1", "rnn_state_set_1"} <= set(cases), sorted(cases)
+    assert not {n: run.first[n] for n in cases if run.total(n)}

@@ -23,8 +23,10 @@ prefill kernel is exact, not a chunked approximation. The same TIR serves both C
 so dlight does not schedule it: on a GPU target build the ``gpu=True`` variant (a thread-bound function
 cannot be built for LLVM). Work items per block are ``min(Dv, max_threads)`` with a guard when that does
 not divide ``Dv``. Not tuned: each work item keeps ``Dk`` floats in private memory and every work item of a
-head re-reads the same q/k rows (served by the cache), which is fine for decode (state-bandwidth bound)
-and a sequential, token-by-token prefill.
+head re-reads the same q/k rows (served by the cache), acceptable for a sequential, token-by-token prefill.
+The GPU decode step is not this loop kernel: ``gdn_decode(gpu=True)`` is ``kernels/gpu/gdn.py``'s, with
+the state split into tiles per work-group held in registers (a 128-float private column per work item is
+more than a GPU work item's registers, and 48 heads were 48 work-groups).
 
 Buffers (``dtype`` for activations, float32 for the state; g and beta in ``gate_dtype``, default ``dtype`` —
 the model passes float32 so the log-space decay keeps its precision under fp16 activations)::
@@ -47,6 +49,8 @@ import math
 import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
+
+from pipeline.kernels.gpu.gdn import gdn_decode_gpu
 
 __all__ = ["gdn_decode", "gdn_prefill", "gdn_reference", "gdn_segments"]
 
@@ -89,6 +93,8 @@ def gdn_decode(Hk: int, Hv: int, Dk: int, Dv: int, dtype: str = "float32", *, sc
     """One-token gated delta rule step (see the module docstring for buffers and math)."""
     gdt = gate_dtype or dtype
     group, scale, outer, inner, threads, bph, guard = _setup(Hk, Hv, Dk, Dv, scale, gpu, max_threads)
+    if gpu:   # state tiles per work-group (kernels/gpu/gdn.py); the loop kernel below is the CPU one
+        return _finish(gdn_decode_gpu(Hk, Hv, Dk, Dv, dtype, scale, gdt, max_threads), name, gpu)
 
     @T.prim_func
     def gdn_decode_func(q: T.Buffer((Hk, Dk), dtype), k: T.Buffer((Hk, Dk), dtype),

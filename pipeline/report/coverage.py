@@ -45,6 +45,9 @@ PREFILL_FUNCS = ("prefill", "embed")
 EFFECTIVE_BANDWIDTH = 0.6
 
 _KV_ATTENTION_BUILTIN = "attention_kv_cache_attention"
+# the RNN state's runtime copies (models/recurrent_state.py): each get / set builtin call of state id `sid` runs
+# the module's kernel `rnn_state_{get|set}_{sid}`, which copies one sequence's state
+_RNN_BUILTINS = {"vm.builtin.rnn_state_get": "rnn_state_get", "vm.builtin.rnn_state_set": "rnn_state_set"}
 # kernels the paged KV cache dispatches per attention call, by phase
 _KV_DISPATCH = {"decode": ("batch_decode_paged_kv", "tir_kv_cache_transpose_append"),
                 "prefill": ("batch_prefill_paged_kv", "tir_kv_cache_transpose_append"),
@@ -95,6 +98,16 @@ def _kv_cost(name: str, func: tirx.PrimFunc, tokens: int, context_len: int | Non
     return positions * per_token + 2 * q_bytes + 4 * tokens * heads, 4 * heads * dim * tokens * positions
 
 
+def _rnn_cost(func: tirx.PrimFunc) -> tuple[int | None, int | None]:
+    """An RNN-state copy of one sequence (rnn_state_get / set: storage [seqs, history, numel] <-> [batch, numel],
+    batch 1): the state read and written, and its two int32 slot ids."""
+    last = buffer_params(func)[-1]
+    numel = eval_shape(last.shape[-1], {})
+    if numel is None:
+        return None, None
+    return 2 * numel * max(1, tvm.runtime.DataType(str(last.dtype)).bits // 8) + 8, 0
+
+
 def _nbytes_tail(buf: Any) -> int | None:
     n = 1
     for d in buf.shape[1:]:
@@ -112,6 +125,8 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
         return None, None
     if cls == "moe-gemv":
         return moe_cost(func, env)
+    if cls == "rnn-state":
+        return _rnn_cost(func)
     bufs = buffer_params(func)
     outs = written_params(func, text)
     ins = [b for b in bufs if not any(b.same_as(o) for o in outs)]
@@ -156,6 +171,9 @@ def relax_callers(mod: tvm.IRModule) -> tuple[dict[str, dict[str, int]], dict[st
                 return
             if any(node.op.same_as(op) for op in call_tir_ops) and isinstance(node.args[0], tvm.ir.GlobalVar):
                 calls[node.args[0].name_hint][fname] += 1
+            rnn = _rnn_kernel(node)
+            if rnn is not None:
+                calls[rnn][fname] += 1
             for arg in node.args:
                 if isinstance(arg, relax.ExternFunc) and _KV_ATTENTION_BUILTIN in str(arg.global_symbol):
                     attention[fname] += 1
@@ -164,6 +182,20 @@ def relax_callers(mod: tvm.IRModule) -> tuple[dict[str, dict[str, int]], dict[st
 
         relax.analysis.post_order_visit(func.body, visit)
     return {k: dict(v) for k, v in calls.items()}, dict(attention)
+
+
+def _rnn_kernel(call: relax.Call) -> str | None:
+    """The kernel an RNN-state get / set builtin call runs (`rnn_state_get_1`), or None for any other call: the
+    state id is the third argument (after the state and the layer) of call_dps_packed's tuple or of
+    call_pure_packed."""
+    if not call.args or not isinstance(call.args[0], relax.ExternFunc):
+        return None
+    kind = _RNN_BUILTINS.get(str(call.args[0].global_symbol))
+    args = list(call.args[1].fields) if len(call.args) == 2 and isinstance(call.args[1], relax.Tuple) \
+        else list(call.args[1:])
+    if kind is None or len(args) < 3 or not isinstance(args[2], tvm.tirx.IntImm):
+        return None
+    return f"{kind}_{int(args[2].value)}"
 
 
 # ------------------------------------------------------------------------------ module of origin
@@ -268,7 +300,8 @@ def coverage_report(mod: tvm.IRModule, records: list[Any], target: Any, *, seq_l
     has one entry, `main`); phase_note says so in the report.
     """
     by_name = {r.name: r for r in records}
-    callers, attention_calls = relax_callers(mod)
+    # reshapes that the lowering turns into views (compile.py, RewriteDataflowReshape) launch nothing
+    callers, attention_calls = relax_callers(relax.transform.RewriteDataflowReshape()(mod))
     modules = kernel_modules(mod, list(param_names or []))
     phase_map = {"decode_step": DECODE_FUNCS, "prefill_chunk": PREFILL_FUNCS, **(phase_funcs or {})}
     phases = {"decode_step": (phase_map["decode_step"], {"seq_len": seq_len}),

@@ -2,7 +2,8 @@
 target's phone.
 
 Read from the scheduled TIR (what the OpenCL C launches): work-groups x work-items of each launch (blockIdx /
-threadIdx bindings with static extents; kernels sized by the prompt or the KV cache say "symbolic"), and, for
+threadIdx bindings, their extents at one sequence decoding one token (DECODE_SIZES); an extent of any other
+size, the KV cache's pages for one, says "symbolic"), and, for
 our own kernels, the loads per work-item their plan records (`pipeline.gpu_plan`). The prediction is a
 stated model, not a measurement: a kernel streams its decode bytes at the phone's bandwidth (target
 `phone.bandwidth_gbs`) scaled by how much of the GPU its launch fills,
@@ -23,11 +24,12 @@ from typing import Any
 
 from tvm import tirx
 
+from pipeline.op_classes import eval_shape
 from pipeline.tir_walk import statements
 
 PLAN_ATTR = "pipeline.gpu_plan"
 FILL_GROUPS = 48
-DECODE_SIZES = {"B": 1, "batch_size": 1, "seq_len": 1}   # one sequence decoding one token
+DECODE_SIZES = {"B": 1, "batch_size": 1, "batch": 1, "seq_len": 1}   # one sequence decoding one token
 MODEL = ("PREDICTION (a model, not a measurement): bytes / (phone bandwidth x min(1, work-groups / "
          f"{FILL_GROUPS})); no launch overhead, caches or compute")
 
@@ -43,7 +45,7 @@ def _binding(s) -> tuple[str, Any] | None:
 
 def launches(func: tirx.PrimFunc, sizes: dict[str, int] | None = None) -> list[tuple[int, int]] | None:
     """(work-groups, work-items per group) of each launch of a scheduled kernel, in program order; None when an
-    extent is symbolic (a bare size variable named in `sizes` takes that value). A launch is a nest of blockIdx
+    extent is symbolic (size variables named in `sizes` take those values). A launch is a nest of blockIdx
     bindings with the threadIdx bindings under it."""
     out: list[dict[str, int]] = []
     for s in statements(func.body):
@@ -51,10 +53,11 @@ def launches(func: tirx.PrimFunc, sizes: dict[str, int] | None = None) -> list[t
         if bound is None:
             continue
         tag, extent = bound
-        if isinstance(extent, tirx.Var) and extent.name in (sizes or {}):
-            extent = tirx.IntImm("int32", sizes[extent.name])
         if not isinstance(extent, tirx.IntImm):
-            return None
+            value = eval_shape(extent, sizes or {})
+            if value is None:
+                return None
+            extent = tirx.IntImm("int32", value)
         if tag.startswith("blockIdx") and (not out or tag in out[-1] or any(t.startswith("threadIdx") for t in out[-1])):
             out.append({})
         if not out:
