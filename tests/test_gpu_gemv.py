@@ -250,3 +250,48 @@ def test_kernel_keeps_the_fused_functions_buffer_shapes():
     shapes = [[d for d in p.shape] for p in kernel.params]
     assert [[int(d) for d in dims] for dims in shapes] == [[72, 960], [18, 960], [1, 1, 576], [1, 1, 960]]
     assert all(str(d.ty) == "int64" for dims in shapes for d in dims)
+
+
+def _prompt_matmul(k: int, n: int, dtype: str):
+    """A prompt's fused KN q4 dequantize + matmul as the fuse stage makes it (seq_len symbolic)."""
+    from pipeline.models import layers
+
+    i64 = lambda v: tvm.tirx.IntImm("int64", v)   # noqa: E731 - every dim int64, as the fused function's
+    seq = te.var("seq_len", "int64")
+    c = te.placeholder((i64(k // 8), i64(n)), "uint32", name="codes")
+    s = te.placeholder((i64(k // 32), i64(n)), dtype, name="scales")
+    xt = te.placeholder((i64(1), seq, i64(k)), dtype, name="x")
+    deq = layers.dequantize_te(c, s, "KN", i64(k), i64(n), dtype)
+    r = te.reduce_axis((i64(0), i64(k)), name="k")
+    out = te.compute((i64(1), seq, i64(n)), lambda a, b, j: te.sum(xt[a, b, r] * deq[r, j], axis=r), name="matmul")
+    return te.create_prim_func([c, s, xt, out]).with_attr("global_symbol", "main")
+
+
+@pytest.mark.parametrize("n", [16480, 96])
+def test_prefill_matmul_with_n_an_odd_multiple_of_32_sums_in_float(n):
+    """qwen27b's GDN in_proj (16480 = 515 x 32 outputs) and in_proj_ba (96): dlight's Adreno Matmul config
+    cannot vectorize their widened store; matmul_f32 schedules them with its narrower config, fp32 sums."""
+    mod, records = schedule_module(tvm.IRModule({"main": _prompt_matmul(5120, n, "float16")}),
+                                   tvm.target.Target(ADRENO_TARGET), ("matmul_f32", "fallback"), "gpu")
+    assert [r.rule for r in records] == ["matmul_f32"], records
+    source = opencl_kernels(mod, ADRENO_TARGET).source
+    assert re.search(r"\bfloat\d* matmul\w*_local_ptr\[", source) and not re.search(r"\bhalf\d* matmul\w*_ptr\[", source)
+
+
+@needs_pocl
+def test_narrow_matmul_config_matches_numpy_on_pocl():
+    """The narrower config's schedule (the fp32 function: PoCL has no fp16) at N = 96 and a prompt of 5 rows."""
+    from pipeline.compiler.matmul_f32 import _NarrowMatmul
+    from pipeline.verify.opencl import run_on_pocl
+
+    k, n, m = 256, 96, 5
+    rng = np.random.default_rng(5)
+    codes, scales, dense = packed_weights("q4", k, n, rng)
+    x = rng.standard_normal((1, m, k)).astype(np.float32)
+    func = _prompt_matmul(k, n, "float32")
+    sch = _NarrowMatmul().apply(func, tvm.target.Target(ADRENO_TARGET), False)
+    mod = tvm.IRModule({"main": sch.mod["main"].with_attr("tirx.is_scheduled", True)})
+    got = run_on_pocl(opencl_kernels(mod, ADRENO_TARGET), "main",
+                      [codes, scales, x, np.zeros((1, m, n), np.float32)])[-1][0]
+    exact = x[0].astype(np.float64) @ dense
+    assert float(np.abs(got - exact).max()) <= TOL * float(np.abs(exact).max())

@@ -10,6 +10,8 @@ Functions that already sum in float32 (the fp32 twin) and anything else are left
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm import te, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -56,9 +58,22 @@ def widened(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     return tirx.PrimFunc(new.params, new.body, new.ret_type, func.attrs).with_attr(OP_CLASS_ATTR, "dequant-matmul")
 
 
+class _NarrowMatmul(dl.gpu.Matmul):
+    """dlight's Matmul with half as many work-items along N per work-group as the target's config.
+
+    dlight 0.27's Adreno config (32 x 8 outputs along N per work-group, float8 stores) cannot vectorize the
+    store of a widened matmul whose N is an odd multiple of 32 (qwen27b's GDN in_proj, 16480 = 515 x 32; 96):
+    "vectorize cannot be fulfilled ... not a data parallel block iter". 16 x 8 schedules every such N."""
+
+    def get_configs(self, target):
+        config = super().get_configs(target)
+        return dataclasses.replace(config, block_size_x=max(1, config.block_size_x // 2))
+
+
 class GPUMatmulF32(ScheduleRule):
-    """A prompt's KN dequantize + matmul with a float16 output: dlight's Matmul over `widened`; the rest is left
-    to the next rule. A widened function dlight cannot schedule fails the build with the reason."""
+    """A prompt's KN dequantize + matmul with a float16 output: dlight's Matmul over `widened` (or, where its
+    target config cannot vectorize the store, `_NarrowMatmul`); the rest is left to the next rule. A widened
+    function neither can schedule fails the build with the reason."""
 
     def apply(self, func: tirx.PrimFunc, target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name not in GPU_KINDS:
@@ -68,9 +83,12 @@ class GPUMatmulF32(ScheduleRule):
             return None
         try:
             space = dl.gpu.Matmul().apply(wide, target, tunable)
-        except Exception as err:  # noqa: BLE001 - re-raised with the reason, not as a RuntimeError the caller skips
-            raise CompileError(f"the {RULE} rule could not schedule a float32-sum prefill matmul: "
-                               f"{str(err).strip().splitlines()[-1]}") from err
+        except Exception:  # noqa: BLE001 - dlight's vectorize check (above): the narrower config, else the reason
+            try:
+                space = _NarrowMatmul().apply(wide, target, tunable)
+            except Exception as err:  # noqa: BLE001 - re-raised with the reason, not as an error the caller skips
+                raise CompileError(f"the {RULE} rule could not schedule a float32-sum prefill matmul: "
+                                   f"{str(err).strip().splitlines()[-1]}") from err
         if space is None:
             raise CompileError(f"the {RULE} rule widened a prefill matmul that dlight's Matmul then declined")
         return space
