@@ -67,7 +67,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama-llama3-rope-head128": _dense("LlamaForCausalLM", "llama", head_dim=128, rope_theta=500000.0,
                                         rope_scaling=LLAMA3_SCALING),
     "llama-attention-bias": _dense("LlamaForCausalLM", "llama", attention_bias=True),
-    "mistral": _dense("MistralForCausalLM", "mistral", tie_word_embeddings=False, sliding_window=None),
+    "mistral": _dense("MistralForCausalLM", "mistral", tie_word_embeddings=False, sliding_window=4096),
     "qwen2": _dense("Qwen2ForCausalLM", "qwen2", tie_word_embeddings=False),
     "qwen3": _dense("Qwen3ForCausalLM", "qwen3", head_dim=128),
     "qwen3-moe": _dense("Qwen3MoeForCausalLM", "qwen3_moe", num_hidden_layers=3, decoder_sparse_step=1,
@@ -78,6 +78,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                   shared_expert_intermediate_size=128, **MOE),
     "qwen3.5-moe-hybrid-text-only": _hybrid("Qwen3_5MoeForCausalLM", "qwen3_5_moe", nested=False,
                                             shared_expert_intermediate_size=128, **MOE),
+}
+# configs the loader refuses in one line (on every target) instead of building a model that ignores a field
+REFUSED_FAMILIES: dict[str, tuple[dict[str, Any], str]] = {
+    "llama-mlp-bias": (_dense("LlamaForCausalLM", "llama", mlp_bias=True), "mlp_bias is true"),
+    "mistral-narrow-sliding-window": (_dense("MistralForCausalLM", "mistral", sliding_window=512),
+                                      "sliding_window 512 is narrower than the context window 2048"),
+    "qwen2-sliding-window": (_dense("Qwen2ForCausalLM", "qwen2", use_sliding_window=True, sliding_window=1024),
+                             "sliding_window 1024 is narrower"),
 }
 BUILD_TARGETS = sorted(t for t in TARGETS if t != "android-vulkan")
 REFUSED_TARGETS = {"android-vulkan": "needs TVM's target.build.vulkan code generator"}
@@ -187,6 +195,16 @@ def test_failing_kernel_is_read_from_the_error():
     assert failing_kernel(err, ["rope", "fused_rope", "gemv"]) == "fused_rope"
     assert failing_kernel(err) == "fused_rope"
     assert failing_kernel(RuntimeError("variable cse_v20 has been used before definition")) is None
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED_FAMILIES))
+def test_refused_family_says_so_in_one_line(family):
+    hf, words = REFUSED_FAMILIES[family]
+    with pytest.raises(ConfigError, match=words) as err:
+        config_from_hf(hf)
+    assert "\n" not in str(err.value) and "fix:" in str(err.value)
+    unused = {"mlp_bias": False, "use_sliding_window": False, "sliding_window": 4096}
+    config_from_hf({**hf, **{k: v for k, v in unused.items() if k in hf}})   # the field alone decides
 
 
 @pytest.mark.parametrize("target_name", sorted(REFUSED_TARGETS))
