@@ -62,3 +62,11 @@ def test_hybrid_layer_types_default_from_interval():
 def test_errors_name_the_field(hf, words):
     with pytest.raises(ConfigError, match=words):
         text_config(hf)
+
+
+def test_sliding_window_only_when_used():
+    assert text_config({**DENSE, "sliding_window": 4096}).sliding_window == 4096   # Mistral: on when set
+    assert text_config({**DENSE, "sliding_window": 4096, "use_sliding_window": False}).sliding_window is None
+    assert text_config({**DENSE, "sliding_window": 512, "use_sliding_window": False,     # transformers 5's Qwen2
+                        "layer_types": ["sliding_attention"] * 3}).sliding_window == 512
+    assert text_config(DENSE).sliding_window is None

@@ -91,6 +91,7 @@ class TextConfig:
     attn_output_gate: bool               # q_proj doubled by the output gate (always on for the hybrid)
     attention_bias: bool | None
     mlp_bias: bool
+    sliding_window: int | None           # the attention window of a config that uses one, else None
     rms_norm_eps: float
     rope_theta: float | None
     rope_scaling: dict[str, Any]         # {} for plain RoPE; else with "rope_type" (never "type")
@@ -145,6 +146,14 @@ def _rope(text: Mapping[str, Any]) -> tuple[float | None, dict[str, Any], float 
         scaling = {}
     partial = params.get("partial_rotary_factor") or text.get("partial_rotary_factor")
     return (None if theta is None else float(theta)), scaling, (None if partial is None else float(partial))
+
+
+def _sliding_window(text: Mapping[str, Any], types: list[str]) -> int | None:
+    """Mistral's ``sliding_window`` is on when set; Qwen2 / Qwen3 carry one that ``use_sliding_window`` (or
+    transformers 5's ``sliding_attention`` layer types) turns on."""
+    window = text.get("sliding_window")
+    used = "sliding_attention" in types or bool(text.get("use_sliding_window", window is not None))
+    return int(window) if used and window else None
 
 
 def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> TextConfig:
@@ -243,6 +252,7 @@ def text_config(hf: Mapping[str, Any], *, source: object = "config.json") -> Tex
         attn_output_gate=bool(text.get("attn_output_gate", hybrid)),
         attention_bias=None if bias is None else bool(bias),
         mlp_bias=bool(text.get("mlp_bias", False)),
+        sliding_window=_sliding_window(text, types),
         rms_norm_eps=eps,
         rope_theta=theta,
         rope_scaling=scaling,

@@ -98,6 +98,15 @@ class DecoderConfig:
             context_window_size=context_window_size or min(t.max_position_embeddings or 4096, 4096),
             prefill_chunk_size=prefill_chunk_size or 512,
         )
+        # what the dense decoder does not build is refused, not dropped: a checkpoint's MLP biases would go
+        # unread, and a window narrower than the context would attend where the model never looked
+        if t.mlp_bias:
+            raise ConfigError("mlp_bias is true, but the dense decoder has no MLP biases", path=source,
+                              fix="use a model without MLP biases (mlp_bias: false)")
+        if t.sliding_window is not None and t.sliding_window < cfg.context_window_size:
+            raise ConfigError(f"sliding_window {t.sliding_window} is narrower than the context window "
+                              f"{cfg.context_window_size}, and the dense decoder attends to the whole context",
+                              path=source, fix=f"set context_window_size to at most {t.sliding_window}")
         if (t.experts is not None) != (family == "qwen3_moe"):
             raise ConfigError(f"{family} {'needs' if family == 'qwen3_moe' else 'cannot have'} num_experts",
                               path=source, fix="give the model's complete HF config.json")
