@@ -44,6 +44,10 @@ CASES = {
     "q4_int8_fp32": ("q4", 64, 256, "float32", False, 1),
     "q8_int8_prompt": ("q8", 128, 576, "float16", True, 1),
     "t2_int8": ("t2", 576, 576, "float16", False, 1),
+    "b1_576x576": ("b1", 576, 576, "float16", False, 2),
+    "b1_256x512": ("b1", 256, 512, "float16", False, 2),
+    "b1_prompt": ("b1", 128, 576, "float16", True, 2),
+    "b1_int8_fp32": ("b1", 64, 576, "float32", False, 1),
 }
 # q4 / q8 / t2 rows interleaved (arm_rows.py, android-cpu's q4_interleave / q8_interleave / t2_interleave): name:
 # (format, N, K, rows per tile, act, prompt, x bytes); t2 at K = 576 ends in a group of 64
@@ -99,12 +103,12 @@ def _inputs(fmt: str, n: int, k: int, act: str, rows: int, rng):
 
 
 def _values(fmt: str, codes: np.ndarray, k: int) -> np.ndarray:
-    """Integer weight values (code - offset) [N, K]."""
+    """Integer weight values (step x code - offset) [N, K]."""
     spec = NK_FORMATS[fmt]
     if spec.bits == 8:
         return codes.astype(np.int64)
     fields = (codes[:, :, None] >> (spec.bits * np.arange(spec.codes, dtype=np.uint32))) & ((1 << spec.bits) - 1)
-    return fields.reshape(codes.shape[0], -1)[:, :k].astype(np.int64) - spec.offset
+    return fields.reshape(codes.shape[0], -1)[:, :k].astype(np.int64) * spec.step - spec.offset   # b1: 2 bit - 1
 
 
 def _exact(fmt: str, codes, scales, x) -> np.ndarray:
@@ -136,7 +140,7 @@ def _emulated(fmt: str, codes, scales, x, x_bytes: int) -> np.ndarray:
 
 
 def test_dot_layout_is_a_permutation_of_each_group():
-    for fmt in ("q4", "q8", "t2"):
+    for fmt in ("q4", "q8", "t2", "b1"):
         group = NK_FORMATS[fmt].group
         assert sorted(dot_layout(NK_FORMATS[fmt], j) for j in range(group)) == list(range(group)), fmt
 
