@@ -17,7 +17,14 @@ from typing import Any
 import yaml
 
 from pipeline.errors import ConfigError
-from pipeline.formats import INTERLEAVES, Q4_INTERLEAVE, Q8_INTERLEAVE, TILE_FIELDS, WEIGHT_FORMATS  # noqa: F401 - read as config.X
+from pipeline.formats import (  # noqa: F401 - read as config.X
+    INTERLEAVES,
+    Q4_INTERLEAVE,
+    Q8_INTERLEAVE,
+    T2_INTERLEAVE,
+    TILE_FIELDS,
+    WEIGHT_FORMATS,
+)
 from pipeline.formats import PACKINGS as TERNARY_FORMATS
 from pipeline.op_classes import parse_classes
 
@@ -71,6 +78,7 @@ class TargetSpec:
     t2_tile: int = 0                  # KN t2 (ternary) codes + scales the same way
     q4_interleave: int = 0            # NK q4 codes + scales of this many consecutive rows interleaved (arm_rows.py)
     q8_interleave: int = 0            # NK q8 codes + scales the same way (quantize.interleave_q8)
+    t2_interleave: int = 0            # NK t2 (ternary) codes + scales the same way (q4's arrays: quantize.tile_kn)
     schedule_rules: tuple[str, ...] = ()
     runnable_here: bool = False
     host_native: bool = False
@@ -265,7 +273,7 @@ def load_target(name: str) -> TargetSpec:
         if not isinstance(value, int) or value < 0 or value % 8 or value > 24:
             raise ConfigError(f"{tile_field} must be 0, 8, 16 or 24, not {value!r}", path=path,
                               fix=f"{tile_field}: 24 (the widest tile the kernels take) or 0 (plain KN codes)")
-    for rows_field in (Q4_INTERLEAVE, Q8_INTERLEAVE):
+    for rows_field in (Q4_INTERLEAVE, Q8_INTERLEAVE, T2_INTERLEAVE):
         value = getattr(spec, rows_field)
         if value not in INTERLEAVES or (value and spec.weight_layout != "NK"):
             raise ConfigError(f"{rows_field} must be 0, 4 or 8 on an NK target, not {value!r} "

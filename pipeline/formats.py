@@ -103,15 +103,16 @@ def tile_width(n: int, widest: int) -> int:
 
 Q4_INTERLEAVE = "q4_interleave"   # the target / metadata field: NK q4 rows interleaved by this many (arm_rows.py)
 Q8_INTERLEAVE = "q8_interleave"   # ... and NK q8 rows (quantize.interleave_q8)
+T2_INTERLEAVE = "t2_interleave"   # ... and NK t2 rows (the KN tiles of the NK words, as q4's)
 INTERLEAVES = (0, 4, 8)
 
 
 def interleave_rows(n: int, rows: int) -> int:
-    """The row interleave of an NK q4 / q8 weight with `n` outputs under a target's `q4_interleave` /
-    `q8_interleave`: `rows` when it divides n into two tiles or more (the kernel's parallel loop over tiles),
-    else 0 (plain NK rows). q4's interleaved arrays are the KN tiles of `tile_width` ([N / rows, K / 8, rows]
-    codes, [N / rows, groups, rows] scales: quantize.tile_kn of the NK words transposed), so the TE dequantize
-    and the tiled gather read both alike; q8's: quantize.interleave_q8."""
+    """The row interleave of an NK q4 / q8 / t2 weight with `n` outputs under a target's `q4_interleave` /
+    `q8_interleave` / `t2_interleave`: `rows` when it divides n into two tiles or more (the kernel's parallel
+    loop over tiles), else 0 (plain NK rows). q4's and t2's interleaved arrays are the KN tiles of `tile_width`
+    ([N / rows, K / 8 or K / 16, rows] codes, [N / rows, groups, rows] scales: quantize.tile_kn of the NK words
+    transposed), so the TE dequantize and the tiled gather read both alike; q8's: quantize.interleave_q8."""
     return rows if rows and n % rows == 0 and n // rows >= 2 else 0
 
 

@@ -45,6 +45,7 @@ from pipeline.compiler.tuning import database_digest, load_database
 from pipeline.config import (
     Q4_INTERLEAVE,
     Q8_INTERLEAVE,
+    T2_INTERLEAVE,
     TILE_FIELDS,
     ModelSpec,
     QuantSpec,
@@ -133,7 +134,7 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
                            max_buffer_bytes=int(limit) if limit else None,
                            q8_tile=target.q8_tile if layout == "KN" else target.q8_interleave,   # NK: rows
                            q4_tile=target.q4_tile if layout == "KN" else target.q4_interleave,   # NK: rows
-                           t2_tile=target.t2_tile if layout == "KN" else 0)
+                           t2_tile=target.t2_tile if layout == "KN" else target.t2_interleave)   # NK: rows
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
     mod = with_kv_config_fields(mod, load_runtime(target.runtime).kv_cache_config_fields)
@@ -271,7 +272,7 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
         tiles = {int(p.attrs[tile_field]) for _, p in defined.params if p.attrs and p.attrs.get(tile_field)}
         if tiles:
             meta[tile_field] = max(tiles)
-    for tile_field, rows_field in (("q4_tile", Q4_INTERLEAVE), ("q8_tile", Q8_INTERLEAVE)):
+    for tile_field, rows_field in (("q4_tile", Q4_INTERLEAVE), ("q8_tile", Q8_INTERLEAVE), ("t2_tile", T2_INTERLEAVE)):
         if defined.layout == "NK" and tile_field in meta:   # NK rows interleaved (formats.interleave_rows)
             meta[rows_field] = meta.pop(tile_field)
     tvm_target = target.tvm()

@@ -44,9 +44,13 @@ CASES = {
     "q4_int8_fp32": ("q4", 64, 256, "float32", False, 1),
     "q8_int8_prompt": ("q8", 128, 576, "float16", True, 1),
     "t2_int8": ("t2", 576, 576, "float16", False, 1),
+    "b1_576x576": ("b1", 576, 576, "float16", False, 2),
+    "b1_256x512": ("b1", 256, 512, "float16", False, 2),
+    "b1_prompt": ("b1", 128, 576, "float16", True, 2),
+    "b1_int8_fp32": ("b1", 64, 576, "float32", False, 1),
 }
-# q4 / q8 rows interleaved (arm_rows.py, android-cpu's q4_interleave / q8_interleave): name: (format, N, K, rows
-# per tile, act, prompt, x bytes)
+# q4 / q8 / t2 rows interleaved (arm_rows.py, android-cpu's q4_interleave / q8_interleave / t2_interleave): name:
+# (format, N, K, rows per tile, act, prompt, x bytes); t2 at K = 576 ends in a group of 64
 ROW_CASES = {
     "rows8_576x576": ("q4", 576, 576, 8, "float16", False, 2),
     "rows8_576x1536": ("q4", 576, 1536, 8, "float16", False, 2),
@@ -60,6 +64,11 @@ ROW_CASES = {
     "q8_rows8_prompt": ("q8", 128, 576, 8, "float16", True, 2),
     "q8_rows4_fp32": ("q8", 64, 256, 4, "float32", False, 2),
     "q8_rows8_int8": ("q8", 576, 576, 8, "float16", False, 1),
+    "t2_rows8_960x576": ("t2", 960, 576, 8, "float16", False, 2),
+    "t2_rows8_576x1536": ("t2", 576, 1536, 8, "float16", False, 2),
+    "t2_rows8_prompt": ("t2", 128, 576, 8, "float16", True, 2),
+    "t2_rows4_fp32": ("t2", 64, 256, 4, "float32", False, 2),
+    "t2_rows8_int8": ("t2", 576, 576, 8, "float16", False, 1),
 }
 PROMPT_ROWS = 5
 FP16_ULP = 2.0 ** -10
@@ -94,12 +103,12 @@ def _inputs(fmt: str, n: int, k: int, act: str, rows: int, rng):
 
 
 def _values(fmt: str, codes: np.ndarray, k: int) -> np.ndarray:
-    """Integer weight values (code - offset) [N, K]."""
+    """Integer weight values (step x code - offset) [N, K]."""
     spec = NK_FORMATS[fmt]
     if spec.bits == 8:
         return codes.astype(np.int64)
     fields = (codes[:, :, None] >> (spec.bits * np.arange(spec.codes, dtype=np.uint32))) & ((1 << spec.bits) - 1)
-    return fields.reshape(codes.shape[0], -1)[:, :k].astype(np.int64) - spec.offset
+    return fields.reshape(codes.shape[0], -1)[:, :k].astype(np.int64) * spec.step - spec.offset   # b1: 2 bit - 1
 
 
 def _exact(fmt: str, codes, scales, x) -> np.ndarray:
@@ -131,7 +140,7 @@ def _emulated(fmt: str, codes, scales, x, x_bytes: int) -> np.ndarray:
 
 
 def test_dot_layout_is_a_permutation_of_each_group():
-    for fmt in ("q4", "q8", "t2"):
+    for fmt in ("q4", "q8", "t2", "b1"):
         group = NK_FORMATS[fmt].group
         assert sorted(dot_layout(NK_FORMATS[fmt], j) for j in range(group)) == list(range(group)), fmt
 
@@ -169,9 +178,10 @@ def test_gemv_objects_use_sdot_in_a_vector_loop(built):
         assert mix["loop_vector"] >= 0.75 * mix["loop_instructions"], (name, mix)
         assert mix["instructions_per_weight"] <= (0.4 if x_bytes[name] == 1 else 0.55), (name, mix)
     # rows interleaved by 8: one 4-row vector per sdot, no horizontal add; measured q4 0.293 (two bytes), 0.215
-    # (int8), q8 0.246, 0.168
+    # (int8), q8 0.246, 0.168, t2 0.256 (plain NK t2: 0.332)
     limits = {"rows8_576x576": 0.30, "rows8_576x1536": 0.30, "rows8_prompt": 0.30, "rows8_int8": 0.22,
-              "q8_rows8_960x576": 0.25, "q8_rows8_576x1536": 0.25, "q8_rows8_prompt": 0.25, "q8_rows8_int8": 0.17}
+              "q8_rows8_960x576": 0.25, "q8_rows8_576x1536": 0.25, "q8_rows8_prompt": 0.25, "q8_rows8_int8": 0.17,
+              "t2_rows8_960x576": 0.26, "t2_rows8_576x1536": 0.26}
     for name, limit in limits.items():
         assert found[name]["instructions_per_weight"] <= limit and found[name]["loop_vector"] >= 0.8 * found[name][
             "loop_instructions"], (name, found[name])
@@ -200,13 +210,13 @@ def test_library_dot_code_and_its_coverage_lines(built, tmp_path):
 
 
 def test_interleaved_position_is_a_permutation_of_each_group():
-    for bits in (4, 8):
-        assert sorted(interleaved_position(j, bits) for j in range(32)) == list(range(32))
+    for bits, group in ((4, 32), (8, 32), (2, 128), (2, 64)):
+        assert sorted(interleaved_position(j, bits) for j in range(group)) == list(range(group)), (bits, group)
 
 
 @pytest.mark.parametrize("name", list(ROW_CASES))
 def test_interleaved_rows_kernel_matches_numpy_under_qemu(built, name):
-    """q4 / q8 rows interleaved (the codes and scales as the converter stores them for android-cpu: q4
+    """q4 / q8 / t2 rows interleaved (the codes and scales as the converter stores them for android-cpu: q4 / t2
     quantize.tile_kn of the NK arrays transposed, q8 quantize.interleave_q8): against the same emulation and
     exact product as the plain kernels, within the same tolerances, and bit-identical with 1 and 4 tasks."""
     one_task, four_tasks, _ = built

@@ -85,17 +85,21 @@ def test_float_decode_gemvs_get_the_hand_written_kernel(loaded):
         assert func.attrs and str(func.attrs.get(OP_CLASS_ATTR)) == "gemv", name
 
 
-NK_DEQUANT = re.compile(r"fused_dequantize_(q4|q8|t2)_nk\d*_matmul\d*")
+NK_DEQUANT = re.compile(r"fused_dequantize_(q4|q8|t2|b1)_nk\d*_matmul\d*")
 
 
 @pytest.mark.parametrize("quant,formats,rows", [("q4f16", {"q4"}, 8), ("q4f16", {"q4"}, 0), ("q8f16", {"q8"}, 8),
-                                                ("q8f16", {"q8"}, 0), ("ternary_ptq", {"t2", "q8"}, 8)])
+                                                ("q8f16", {"q8"}, 0), ("ternary_ptq", {"t2", "q8"}, 8),
+                                                pytest.param("ternary_ptq", {"t2", "q8"}, 0, marks=pytest.mark.slow),
+                                                pytest.param("binary_ptq", {"b1", "q8"}, 8, marks=pytest.mark.slow)])
 def test_android_cpu_dequant_matmuls_get_the_sdot_kernel(loaded, quant, formats, rows):
-    """android-cpu (NK codes, fp16 compute, +dotprod): every decode GEMV and prefill matmul of NK q4 / q8 / t2
+    """android-cpu (NK codes, fp16 compute, +dotprod): every decode GEMV and prefill matmul of NK q4 / q8 / t2 / b1
     codes is an sdot kernel under the rule cpu_arm_dot (its op class declared, no TIR blocks left, the sdot
-    intrinsic in its body): q4 / q8 with the target's rows interleaved (q4_interleave / q8_interleave: 8)
-    arm_rows.py's, over 3-d codes, and arm.py's over plain rows (0); without dotprod in the target none is."""
-    target = dataclasses.replace(load_target("android-cpu"), q4_interleave=rows, q8_interleave=rows)
+    intrinsic in its body): q4 / q8 / t2 with the target's rows interleaved (q4_interleave / q8_interleave /
+    t2_interleave: 8) arm_rows.py's, over 3-d codes, and arm.py's over plain rows (0; b1 always); without
+    dotprod in the target none is."""
+    target = dataclasses.replace(load_target("android-cpu"), q4_interleave=rows, q8_interleave=rows,
+                                 t2_interleave=rows)
     mod, records = tune(fuse(define(loaded, load_quant(quant), target), target), target)
     rules = {r.name: r.rule for r in records}
     kernels = _kernels(mod, NK_DEQUANT)
@@ -106,7 +110,7 @@ def test_android_cpu_dequant_matmuls_get_the_sdot_kernel(loaded, quant, formats,
         assert rules[name] == "cpu_arm_dot" and not block_names(func), name
         assert "llvm.aarch64.neon.sdot" in func.script(), name
         codes = next(p for p in func.params if str(p.dtype) in ("uint32", "int8"))
-        interleaved = NK_DEQUANT.fullmatch(name).group(1) in ("q4", "q8") and bool(rows)
+        interleaved = NK_DEQUANT.fullmatch(name).group(1) != "b1" and bool(rows)
         width = rows * (4 if str(codes.dtype) == "int8" else 1)     # q8: 4 codes of each row side by side
         assert len(codes.shape) == (3 if interleaved else 2) and (not interleaved or int(codes.shape[2]) == width), name
     assert {r for n, r in rules.items() if n not in kernels} <= {"cpu-default", "library"}   # library: TVM pre-scheduled

@@ -193,6 +193,7 @@ def test_target_q4_interleave_is_checked(tmp_path, monkeypatch):
 
     android, host = config.load_target("android-cpu"), config.load_target("host-cpu")
     assert (android.q4_interleave, android.q8_interleave, host.q4_interleave, host.q8_interleave) == (8, 8, 0, 0)
+    assert (android.t2_interleave, host.t2_interleave) == (8, 0)
     text = config.TARGETS["android-cpu"].read_text()
     for bad_text in (text.replace("q4_interleave: 8", "q4_interleave: 16"),
                      text.replace("weight_layout: NK", "weight_layout: KN").replace("q8_interleave: 8", "q8_interleave: 0")):
@@ -201,6 +202,9 @@ def test_target_q4_interleave_is_checked(tmp_path, monkeypatch):
         monkeypatch.setitem(config.TARGETS, "cpu-bad-rows", bad)
         with pytest.raises(ConfigError, match=r"cpu-bad-rows.yaml: q4_interleave must be 0, 4 or 8 on an NK target"):
             config.load_target("cpu-bad-rows")
+    bad.write_text(text.replace("t2_interleave: 8", "t2_interleave: 2"))
+    with pytest.raises(ConfigError, match=r"cpu-bad-rows.yaml: t2_interleave must be 0, 4 or 8 on an NK target"):
+        config.load_target("cpu-bad-rows")
 
 
 def test_tile_width_is_the_widest_that_splits_the_outputs():

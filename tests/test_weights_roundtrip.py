@@ -100,14 +100,41 @@ def test_android_cpu_interleaved_rows_read_back_as_the_plain_rows(tiny_llama, qu
     np.testing.assert_array_equal(params["model.embed_tokens.q_weight"].numpy(), embed_packed)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_android_cpu_interleaved_t2_rows_read_back_as_the_plain_rows(tiny_llama):
+    """ternary_ptq on android-cpu (t2 rows interleaved by 8, target t2_interleave): the tensor cache holds the KN
+    tiles of the NK words ([N / 8, K / 16, 8] codes, [N / 8, groups, 8] scales, K = 64 one short group), and the
+    reference reader (ternary.dequantize_ternary) turns them into exactly the weights of the plain NK
+    ternarisation of the checkpoint."""
+    import tvm
+    from tvm.contrib import tvmjs
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.progress import Reporter
+    from pipeline.quant.ternary import dequantize_ternary, quantize_ternary
+    from pipeline.stages import define, load, quantize
+
+    folder, state = tiny_llama
+    loaded = load(load_model(str(folder)))
+    scheme = load_quant("ternary_ptq")
+    defined = define(loaded, scheme, load_target("android-cpu"))
+    params, meta = tvmjs.load_tensor_cache(str(quantize(loaded, defined, scheme, Reporter(quiet=True))), tvm.cpu())
+    for name, parts in (("self_attn.qkv_proj", [f"self_attn.{p}_proj" for p in "qkv"]), ("mlp.down_proj", ["mlp.down_proj"])):
+        w = np.concatenate([state[f"model.layers.1.{p}.weight"] for p in parts], axis=0)
+        n, k = w.shape
+        codes, scale = (params[f"model.layers.1.{name}.{s}"].numpy() for s in ("q_weight", "q_scale"))
+        assert codes.shape == (n // 8, k // 16, 8) and scale.shape == (n // 8, -(-k // 128), 8), name
+        np.testing.assert_array_equal(dequantize_ternary(codes, scale, "t2", k, "NK"),
+                                      dequantize_ternary(*quantize_ternary(w, "t2", "NK"), "t2", k, "NK"))
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "t2"])
 def test_te_dequantize_reads_interleaved_rows_like_the_reference(fmt):
     """The layers' TE dequantize (what the fused kernels and the lm_head compute from) reads android-cpu's
     interleaved q4 / q8 arrays (3-d codes and scales) as the same weights the reference reader gives: W^T."""
     import tvm
     from tvm import te
 
-    from pipeline.models.layers import dequantize_q8_te, dequantize_te
+    from pipeline.models.layers import dequantize_q8_te, dequantize_te, dequantize_ternary_te
     from pipeline.quant.quantize import (
         dequantize_q4,
         dequantize_q8,
@@ -119,15 +146,23 @@ def test_te_dequantize_reads_interleaved_rows_like_the_reference(fmt):
 
     n, k, rows = 48, 64, 8
     w = np.random.default_rng(5).normal(0, 0.05, (n, k)).astype(np.float32)
+    from pipeline.quant.ternary import dequantize_ternary, quantize_ternary
+
     if fmt == "q8":
         codes, scale = quantize_q8(w, "NK")
         codes, scale, expected = interleave_q8(codes, rows), tile_kn(scale.T, rows), dequantize_q8(codes, scale, "NK")
+    elif fmt == "t2":
+        codes, scale = quantize_ternary(w, "t2", "NK")
+        codes, scale, expected = tile_kn(codes.T, rows), tile_kn(scale.T, rows), dequantize_ternary(codes, scale, "t2", k)
     else:
         codes, scale = quantize_q4(w, "NK")
         codes, scale, expected = tile_kn(codes.T, rows), tile_kn(scale.T, rows), dequantize_q4(codes, scale, "NK")
     c = te.placeholder(codes.shape, str(codes.dtype), name="codes")
     s = te.placeholder(scale.shape, "float16", name="scale")
-    out = (dequantize_q8_te if fmt == "q8" else dequantize_te)(c, s, "NK", k, n, "float32")
+    if fmt == "t2":
+        out = dequantize_ternary_te(c, s, "t2", "NK", k, n, "float32")
+    else:
+        out = (dequantize_q8_te if fmt == "q8" else dequantize_te)(c, s, "NK", k, n, "float32")
     func = tvm.tirx.build(te.create_prim_func([c, s, out]), target="llvm")
     got = tvm.runtime.tensor(np.zeros((k, n), np.float32))
     func(tvm.runtime.tensor(codes), tvm.runtime.tensor(scale), got)

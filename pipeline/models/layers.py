@@ -235,8 +235,11 @@ class TernaryLinear(nn.Module):
         self.fmt, self.rotate = fmt, rotate
         k, n = in_features, out_features
         codes, groups = tern.packed_len(fmt, k), tern.n_groups(k)
-        # `t2_tile` (the target's): KN t2 codes and scales tiled like q4 (quantize.tile_kn, `tile_width`)
-        tile = tile_width(n, t2_tile) if t2_tile and fmt == "t2" and layout == "KN" and k % 16 == 0 else 0
+        # `t2_tile` (the target's): KN t2 codes and scales tiled like q4 (quantize.tile_kn, `tile_width`); NK:
+        # that many rows interleaved (`interleave_rows`: the same 3-d arrays, read alike)
+        tile = 0
+        if t2_tile and fmt == "t2" and k % 16 == 0:
+            tile = tile_width(n, t2_tile) if layout == "KN" else interleave_rows(n, t2_tile)
         if tile:
             self.q_weight = nn.Parameter((n // tile, codes, tile), tern.code_dtype(fmt))
             self.q_scale = nn.Parameter((n // tile, groups, tile), scale_dtype)

@@ -281,7 +281,7 @@ def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes
     nk = layout == "NK"
     cols, groups = tern.packed_len(fmt, k), tern.n_groups(k)
     packed_shape, scale_shape = ((n, cols), (n, groups)) if nk else ((cols, n), (groups, n))
-    tile = int(attrs.get("t2_tile", 0)) if fmt == "t2" and not nk else 0   # quantize.tile_kn, the layer's choice
+    tile = int(attrs.get("t2_tile", 0)) if fmt == "t2" else 0   # quantize.tile_kn (NK: of the rows), the layer's choice
     mine = packed_shape if name.endswith(".q_weight") else scale_shape
     if tile:
         mine = (n // tile, cols, tile) if name.endswith(".q_weight") else (n // tile, groups, tile)
@@ -301,8 +301,8 @@ def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes
         if stats is not None:
             _ternary_stats(stats, block, trits, s, s64, native)
         _store_rows(packed, scale, r0, tern.pack(trits, fmt, k), s, nk, name, on_bytes)
-    if tile:
-        return tile_kn(packed, tile), tile_kn(scale, tile)
+    if tile:      # NK rows interleaved: the KN tiles of the transposed rows (formats.interleave_rows)
+        return tile_kn(packed.T if nk else packed, tile), tile_kn(scale.T if nk else scale, tile)
     return packed, scale
 
 

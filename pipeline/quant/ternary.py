@@ -198,9 +198,9 @@ def quantize_ternary(w: np.ndarray, fmt: str = "t2", layout: str = "NK") -> tupl
 def dequantize_ternary(packed: np.ndarray, scale: np.ndarray, fmt: str, k: int,
                        layout: str = "NK") -> np.ndarray:
     """Inverse of `quantize_ternary`: -> [N, k] float32 (the reference for numerics tests; KN t2 codes and
-    scales may be tiled: quantize.tile_kn)."""
+    scales may be tiled: quantize.tile_kn; NK ones row-interleaved, the same 3-d arrays, whatever `layout` says)."""
     if packed.ndim == 3:
-        packed, scale = untile_kn(packed), untile_kn(scale)
+        packed, scale, layout = untile_kn(packed), untile_kn(scale), "KN"
     if layout == "KN":
         packed, scale = packed.T, scale.T
     trits = unpack(packed, fmt, k).astype(np.float32)

@@ -49,7 +49,7 @@ FORMATS = {"q4": PackedFormat("dequantize_kn", 4, 32, 7), "t2": PackedFormat("de
 # The same formats stored NK (MLC's plain layout: codes [N, K / codes], scales [N, groups]; android-cpu),
 # their TE dequantize blocks named for that layout (models/layers.py).
 NK_FORMATS = {"q4": PackedFormat("dequantize_nk", 4, 32, 7), "t2": PackedFormat("dequantize_t2_nk", 2, 128, 1),
-              "q8": PackedFormat("dequantize_q8_nk", 8, 32, 0)}
+              "q8": PackedFormat("dequantize_q8_nk", 8, 32, 0), "b1": PackedFormat("dequantize_b1_nk", 1, 128, 1, 2)}
 
 
 def substitute(func: tirx.PrimFunc, kernel: tirx.PrimFunc, order: tuple[str, ...], op_class: str,

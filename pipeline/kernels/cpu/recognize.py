@@ -21,7 +21,6 @@ from pipeline.kernels.cpu.packed import (
     NK_FORMATS,
     ROLES,
     TILED_PACKED,
-    TILED_Q4,
     TILED_Q8,
     PackedFormat,
     q8_tile_of,
@@ -156,7 +155,8 @@ def match_packed_nk_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, i
     codes per word] or int8 [N, K], scales [N, groups], x [1, 1, K] and out [1, 1, N] in one float dtype (the
     target's compute dtype), out last. rows="prompt": x [1, m, K] and out [1, m, N] over one symbolic m (a
     prefill). q4 rows interleaved (formats.interleave_rows: codes [N / t, K / 8, t], scales [N / t, groups,
-    t]) are TILED_Q4, q8 ones (quantize.interleave_q8: codes [N / t, K / 4, 4 t]) TILED_Q8."""
+    t]) are TILED_Q4, t2 ones (codes [N / t, K / 16, t]) TILED_T2, q8 ones (quantize.interleave_q8: codes
+    [N / t, K / 4, 4 t]) TILED_Q8."""
     found = blocks(func)
     names = [b.name_hint for b in found]
     fmt = next((f for f, spec in NK_FORMATS.items() if names == [spec.block, "matmul"]), None)
@@ -188,7 +188,7 @@ def match_packed_nk_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, i
     roles, by_role = [], {}
     for p, shape in zip(params[:-1], shapes[:-1], strict=True):
         dtype = str(p.dtype)
-        interleaved = fmt in ("q4", "q8") and len(shape) == 3 and shape[:2] != (1, 1)   # 3-d codes / scales
+        interleaved = fmt in ("q4", "q8", "t2") and len(shape) == 3 and shape[:2] != (1, 1)   # 3-d codes / scales
         role = ("codes" if dtype == spec.code_dtype and (len(shape) == 2 or interleaved) else
                 "x" if dtype == act and len(shape) == 3 and shape[:2] == (1, 1) else
                 "scales" if dtype in ("float16", "float32") and (len(shape) == 2 or interleaved) else "")
@@ -201,9 +201,11 @@ def match_packed_nk_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, i
     if len(codes) == 3:
         t = scales[2] if len(scales) == 3 else 0
         want = (n // t, k // 4, 4 * t) if spec.bits == 8 else (n // t, k // spec.codes, t)
-        if not t or n % t or codes != want or scales != (n // t, k // spec.group, t) or k % spec.group:
+        whole = k % spec.codes == 0 if spec.bits == 2 else k % spec.group == 0   # t2: the last group may be shorter
+        if not t or n % t or codes != want or scales != (n // t, -(-k // spec.group), t) or not whole:
             return None
-        return TILED_Q8 if spec.bits == 8 else TILED_Q4, n, k, act, by_role["scales"][1], (*roles, "out")
+        tiled = TILED_Q8 if spec.bits == 8 else next(t for t, f in TILED_PACKED.items() if f == fmt)
+        return tiled, n, k, act, by_role["scales"][1], (*roles, "out")
     if k % spec.codes or by_role["codes"][0] != (n, k // spec.codes) or by_role["scales"][0] != (n, -(-k // spec.group)):
         return None
     return fmt, n, k, act, by_role["scales"][1], (*roles, "out")
