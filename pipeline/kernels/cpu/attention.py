@@ -535,13 +535,25 @@ def _paged_prefill_for(func: tvm.tirx.PrimFunc):
     return paged_prefill(pd[1], qd[0], qd[1], str(q.dtype), page_size=pd[2])
 
 
-def _append_for(func: tvm.tirx.PrimFunc):
-    """Our KV append for TVM's `func`, or None."""
+def append_shapes(func: tvm.tirx.PrimFunc) -> tuple[int, int, int] | None:
+    """(KV heads, head size, page size) of TVM's KV append `func` when static and as expected, else None
+    (also kernels/gpu/kernel_fixes.py's bounded GPU append)."""
+    if len(func.params) != 4:
+        return None
     pages, k = func.params[:2]
     pd, kd = _static(pages.shape[1:]), _static(k.shape[1:])
     if not (pd and kd) or pd[0] != 2 or pd[1] != kd[0] or pd[3] != kd[1]:
         return None
-    return transpose_append(kd[0], kd[1], str(k.dtype), page_size=pd[2])
+    return kd[0], kd[1], pd[2]
+
+
+def _append_for(func: tvm.tirx.PrimFunc):
+    """Our KV append for TVM's `func`, or None."""
+    shapes = append_shapes(func)
+    if shapes is None:
+        return None
+    h_kv, d, page_size = shapes
+    return transpose_append(h_kv, d, str(func.params[1].dtype), page_size=page_size)
 
 
 def _merge_for(func: tvm.tirx.PrimFunc):

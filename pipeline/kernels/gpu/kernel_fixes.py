@@ -27,6 +27,8 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from pipeline.kernels.cpu.attention import append_shapes
+
 RACY_MERGE_STATE = ("tir_attention_merge_state", "tir_attention_merge_state_mla")
 UNBOUNDED_APPEND = "tir_kv_cache_transpose_append"
 THREADS = 32   # work-items per head, striding over the head dimension
@@ -108,20 +110,6 @@ def bounded_transpose_append(h_kv: int, d: int, dtype: str, page_size: int = 16)
     return tir_kv_cache_transpose_append
 
 
-def _append_shapes(func: tvm.tirx.PrimFunc) -> tuple[int, int, int] | None:
-    """(KV heads, head size, page size) of TVM's append when its shapes are static and as expected."""
-    if len(func.params) != 4:
-        return None
-    pages, k = func.params[:2]
-    try:
-        pd, kd = [int(x) for x in pages.shape[1:]], [int(x) for x in k.shape[1:]]
-    except TypeError:
-        return None
-    if pd[0] != 2 or pd[1] != kd[0] or pd[3] != kd[1]:
-        return None
-    return kd[0], kd[1], pd[2]
-
-
 @tvm.transform.module_pass(opt_level=0, name="MarkNoAlias")
 def mark_noalias(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Give the PrimFuncs that lack it `tirx.noalias` when compiling for an LLVM target (see above)."""
@@ -144,7 +132,7 @@ def replace_racy_kernels(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gv, func in list(mod.functions_items()):
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
-        shapes = _append_shapes(func) if gv.name_hint == UNBOUNDED_APPEND and gpu else None
+        shapes = append_shapes(func) if gv.name_hint == UNBOUNDED_APPEND and gpu else None
         if shapes is not None:
             h_kv, d, page_size = shapes
             fixed = bounded_transpose_append(h_kv, d, str(func.params[1].dtype), page_size)
