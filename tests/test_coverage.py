@@ -301,6 +301,16 @@ def test_adreno_reshapes_that_become_views_launch_nothing(adreno_built):
     assert all(rows[n]["decode_step"]["calls"] == 0 for n in views)
 
 
+# A qwen27b-shaped hybrid: 3 GDN layers of 2 key / 4 value heads of 32, 1 full attention (also test_oclgrind.py)
+HYBRID_SHAPE = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=128,
+                    intermediate_size=256, num_hidden_layers=4,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=512,
+                    max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
 @pytest.mark.slow
 def test_hybrid_adreno_gdn_state_traffic():
     """A qwen27b-shaped hybrid (3 GDN layers of 2 key / 4 value heads of 32, 1 full attention) for android-adreno
@@ -312,12 +322,7 @@ def test_hybrid_adreno_gdn_state_traffic():
     from pipeline.models import config_from_hf
     from pipeline.stages import Loaded, define, fuse, tune
 
-    hf = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=128,
-              intermediate_size=256, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-              vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    hf = HYBRID_SHAPE
     target = load_target("android-adreno")
     defined = define(Loaded(ModelSpec(name="hybrid-shape", hf_config=hf, weights=None), hf, config_from_hf(hf), None),
                      load_quant("q4f16"), target)

@@ -170,14 +170,16 @@ def _attention_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int], list
     return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), refs
 
 
-def _assert_clean_and_right(run, refs):
-    for name, (out, lse) in refs.items():
+def _assert_clean_and_right(run, refs, outputs=(7, 8)):
+    """No report, every check ran, and the arguments at `outputs` (attention: out, lse; GDN: o, state) within
+    TOL of each reference in refs[name]."""
+    for name, wants in refs.items():
         assert name not in run.failed, run.failed[name]
         assert run.total(name) == 0, run.first.get(name)
         assert name not in run.unchecked, run.unchecked[name]
-        got_out, got_lse = run.outputs[name][7], run.outputs[name][8]
-        assert float(np.abs(got_out - out).max()) <= TOL * max(1.0, float(np.abs(out).max()))
-        assert float(np.abs(got_lse - lse).max()) <= TOL * max(1.0, float(np.abs(lse).max()))
+        for i, want in zip(outputs, wants, strict=True):
+            got = run.outputs[name][i]
+            assert float(np.abs(got - want).max()) <= TOL * max(1.0, float(np.abs(want).max())), name
 
 
 def test_split_kv_attention_is_clean_under_oclgrind():
@@ -223,20 +225,11 @@ def _gdn_decode_under_oclgrind(shapes: dict[str, tuple[tuple[int, int, int, int]
     return run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, cases), refs
 
 
-def _assert_gdn_clean_and_right(run, refs):
-    for name, (o, s) in refs.items():
-        assert name not in run.failed, run.failed[name]
-        assert run.total(name) == 0, run.first.get(name)
-        assert name not in run.unchecked, run.unchecked[name]
-        for got, want in ((run.outputs[name][6], o), (run.outputs[name][7], s)):
-            assert float(np.abs(got - want).max()) <= TOL * max(1.0, float(np.abs(want).max())), name
-
-
 def test_gdn_decode_is_clean_under_oclgrind(oclgrind_run):
     """GDN_GUARD_SHAPES, in the GEMVs' Oclgrind child: no race (the local-memory partial sums), out-of-bounds or
     uninitialised read; numpy's o and state."""
     run, exact = oclgrind_run
-    _assert_gdn_clean_and_right(run, {n: exact[n] for n in GDN_GUARD_SHAPES})
+    _assert_clean_and_right(run, {n: exact[n] for n in GDN_GUARD_SHAPES}, outputs=(6, 7))   # o, state_out
 
 
 @pytest.mark.slow
@@ -244,7 +237,7 @@ def test_gdn_decode_is_clean_under_oclgrind_at_model_shapes():
     """qwen27b's GDN layer (16 key / 48 value heads of 128: 192 work-groups of 128 work-items, 3 MiB of state) and
     the 4-value-head test model's (2 / 4 heads of 32: 16 work-groups of 8) (~1 min)."""
     run, refs = _gdn_decode_under_oclgrind({"gdn_qwen27b": ((16, 48, 128, 128), 256), "gdn_tiny": ((2, 4, 32, 32), 256)})
-    _assert_gdn_clean_and_right(run, refs)
+    _assert_clean_and_right(run, refs, outputs=(6, 7))
 
 
 @pytest.mark.slow
@@ -254,6 +247,7 @@ def test_every_hybrid_adreno_non_kv_kernel_under_oclgrind():
     KV cache's (run above on their consistent cache for SmolLM2), scheduled by the target's rules, on in-range
     inputs under Oclgrind: no report. The GDN conv / gates / norms, the RNN state's copies (slot ids below the
     5 sequences and 5 history slots), the GDN decode, prefill and segments included (~45-70 s)."""
+    from test_coverage import HYBRID_SHAPE
     from tvm import tirx
 
     from pipeline.compiler.schedule import schedule_module
@@ -262,12 +256,7 @@ def test_every_hybrid_adreno_non_kv_kernel_under_oclgrind():
     from pipeline.stages import Loaded
     from pipeline.verify.execution import KV_DRIVEN, random_args, twin_module
 
-    hf = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=128,
-              intermediate_size=256, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-              vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    hf = HYBRID_SHAPE
     target = load_target("android-adreno")
     loaded = Loaded(ModelSpec(name="hybrid-shape", hf_config=hf, weights=None), hf, config_from_hf(hf), None)
     mod = twin_module(loaded, load_quant("q4f16"), target)
