@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tvm
-from tvm.support import tar
 
 from pipeline.kernels.cpu.arm import Q_MAX, X_BYTES, dot_layout, nk_dot_kernel
 from pipeline.kernels.cpu.arm_code import dot_kernels, find_objdump
 from pipeline.kernels.cpu.arm_rows import interleaved_position, rows_dot_kernel
 from pipeline.kernels.cpu.packed import NK_FORMATS
 from pipeline.quant.quantize import interleave_q8, tile_kn
-from pipeline.verify.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
+from pipeline.verify.qemu_aarch64 import build_kernels, missing_tools
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian packages {missing_tools()} (`make system-deps`)")
 
@@ -84,11 +82,7 @@ def built(tmp_path_factory):
              for name, (f, n, k, act, prompt, x_bytes) in CASES.items()}
     funcs.update({name: rows_dot_kernel(NK_FORMATS[f], n, k, t, act, "float16", prompt, x_bytes).with_attr(
         "global_symbol", name) for name, (f, n, k, t, act, prompt, x_bytes) in ROW_CASES.items()})
-    mod = tvm.IRModule(funcs).with_attr("system_lib_prefix", "arm_")
-    tvm.tirx.build(mod, target=tvm.target.Target(TARGET)).export_library(str(out / "lib.tar"), fcompile=tar.tar)
-    objects = library_objects(out / "lib.tar", out / "objects")
-    harness = link_harness(objects, out / "harness")
-    return AArch64Kernels(harness, tasks=1), AArch64Kernels(harness, tasks=4), objects
+    return build_kernels(funcs, TARGET, "arm_", out)
 
 
 def _inputs(fmt: str, n: int, k: int, act: str, rows: int, rng):

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tvm
-from tvm.support import tar
 
 from pipeline.kernels.cpu.arm_code import dot_kernels, find_objdump
 from pipeline.kernels.cpu.arm_kn import kn_q4_dot_kernel
 from pipeline.quant.quantize import dequantize_q4
-from pipeline.verify.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
+from pipeline.verify.qemu_aarch64 import build_kernels, missing_tools
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian packages {missing_tools()} (`make system-deps`)")
 
@@ -40,11 +38,7 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("arm_kn")
     funcs = {name: kn_q4_dot_kernel(n, k, act, "float16", prompt, x_bytes).with_attr("global_symbol", name)
              for name, (n, k, act, prompt, x_bytes) in CASES.items()}
-    mod = tvm.IRModule(funcs).with_attr("system_lib_prefix", "kn_")
-    tvm.tirx.build(mod, target=tvm.target.Target(TARGET)).export_library(str(out / "lib.tar"), fcompile=tar.tar)
-    objects = library_objects(out / "lib.tar", out / "objects")
-    harness = link_harness(objects, out / "harness")
-    return AArch64Kernels(harness, tasks=1), AArch64Kernels(harness, tasks=4), objects
+    return build_kernels(funcs, TARGET, "kn_", out)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -17,15 +17,13 @@ import re
 
 import numpy as np
 import pytest
-import tvm
 from test_arm_kernels import FP16_ULP, INT8_X_TOLERANCE, _emulated, _exact, _inputs
-from tvm.support import tar
 
 from pipeline.kernels.cpu.arm_code import disassemble, dot_kernels, find_objdump, functions
 from pipeline.kernels.cpu.arm_mmla import mmla_kernel
 from pipeline.kernels.cpu.packed import NK_FORMATS
 from pipeline.quant.quantize import interleave_q8, tile_kn
-from pipeline.verify.qemu_aarch64 import AArch64Kernels, library_objects, link_harness, missing_tools
+from pipeline.verify.qemu_aarch64 import build_kernels, missing_tools
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian packages {missing_tools()} (`make system-deps`)")
 
@@ -47,11 +45,7 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("mmla")
     funcs = {name: mmla_kernel(NK_FORMATS[f], n, k, t, act).with_attr("global_symbol", name)
              for name, (f, n, k, t, act) in CASES.items()}
-    mod = tvm.IRModule(funcs).with_attr("system_lib_prefix", "arm_")
-    tvm.tirx.build(mod, target=tvm.target.Target(TARGET)).export_library(str(out / "lib.tar"), fcompile=tar.tar)
-    objects = library_objects(out / "lib.tar", out / "objects")
-    harness = link_harness(objects, out / "harness")
-    return AArch64Kernels(harness, tasks=1), AArch64Kernels(harness, tasks=4), objects
+    return build_kernels(funcs, TARGET, "arm_", out)
 
 
 @pytest.mark.parametrize("name", list(CASES))

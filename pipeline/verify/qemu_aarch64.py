@@ -109,3 +109,17 @@ def _link_error(stderr: str) -> str:
     if undefined:
         return "undefined symbols: " + ", ".join(undefined)
     return " | ".join(lines[-3:])
+
+
+def build_kernels(funcs: dict, target: dict, prefix: str, out: Path) -> tuple[AArch64Kernels, AArch64Kernels,
+                                                                              list[Path]]:
+    """PrimFuncs built by LLVM for `target` into one system-lib (`prefix`) in `out` and linked with the harness:
+    (its kernels with 1 task per parallel loop, with 4, the library's objects)."""
+    import tvm
+    from tvm.support import tar
+
+    mod = tvm.IRModule(funcs).with_attr("system_lib_prefix", prefix)
+    tvm.tirx.build(mod, target=tvm.target.Target(target)).export_library(str(out / "lib.tar"), fcompile=tar.tar)
+    objects = library_objects(out / "lib.tar", out / "objects")
+    harness = link_harness(objects, out / "harness")
+    return AArch64Kernels(harness, tasks=1), AArch64Kernels(harness, tasks=4), objects
