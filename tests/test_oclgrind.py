@@ -115,7 +115,7 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
 
     from pipeline.compiler.schedule import schedule_module
     from pipeline.kernels.gpu.add_norm import cpu_variant
-    from pipeline.verify.execution import attention_heads, kv_args, random_args
+    from pipeline.verify.execution import attention_heads, kv_args, random_args, small_ints
     from pipeline.verify.opencl import run_on_llvm
 
     mod, target = adreno_twin()
@@ -136,8 +136,7 @@ def test_every_smollm2_adreno_kernel_under_oclgrind():
             continue
         args = random_args(func, np.random.default_rng(0), {"seq_len": 5, "batch_size": 16, "num_seq": 16})
         # token ids and row positions below 5, the smallest dimension they index (seq_len)
-        cases[name] = [np.random.default_rng(1).integers(0, 5, a.shape).astype(a.dtype)
-                       if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
+        cases[name] = small_ints(args, 5)
         expected[name] = run_on_llvm((reference or func).with_attr("global_symbol", name),
                                      [a.copy() for a in cases[name]])[-1]
     run = run_under_oclgrind(tvm.IRModule(funcs), dict(target.tvm_target), cases, timeout=3000)
@@ -254,7 +253,7 @@ def test_every_hybrid_adreno_non_kv_kernel_under_oclgrind():
     from pipeline.config import ModelSpec, load_quant, load_target
     from pipeline.models import config_from_hf
     from pipeline.stages import Loaded
-    from pipeline.verify.execution import KV_DRIVEN, random_args, twin_module
+    from pipeline.verify.execution import KV_DRIVEN, random_args, small_ints, twin_module
 
     hf = HYBRID_SHAPE
     target = load_target("android-adreno")
@@ -275,10 +274,7 @@ def test_every_hybrid_adreno_non_kv_kernel_under_oclgrind():
         except KeyError:   # a size this test does not give (a kernel sized by something else): listed below
             continue
         funcs[name] = scheduled[name]
-        # ids, slots, token rows and segment ends: 0, 1, .. 4 (distinct sequences: two batch rows writing one
-        # sequence's slot would be a race of the inputs, not of the kernel)
-        cases[name] = [(np.arange(a.size) % 5).reshape(a.shape).astype(a.dtype)
-                       if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
+        cases[name] = small_ints(args, 5)   # ids, slots, token rows, segment ends: 0 .. 4, distinct
     run = run_under_oclgrind(tvm.IRModule(funcs), spec, cases, timeout=3000)
     print(f"\nOclgrind: {len(cases)} kernels of {sum(isinstance(f, tirx.PrimFunc) for _, f in mod.functions_items())}; "
           f"reports: { {n: run.reports[n] for n in cases if run.total(n)} }; unchecked: {sorted(run.unchecked)}; "

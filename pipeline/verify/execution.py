@@ -378,6 +378,14 @@ def random_args(func: Any, rng: np.random.Generator, sizes: dict[str, int]) -> l
     return args
 
 
+def small_ints(args: list[np.ndarray], high: int) -> list[np.ndarray]:
+    """`args` with each integer input (ids, slots, rows, segment ends; not packed uint32 codes) set to 0, 1, ..,
+    high - 1 repeating: in range of whatever a prompt of `high` tokens indexes, and distinct within each `high`
+    (two batch rows writing one state slot would be a race of the inputs, not of the kernel: Oclgrind runs)."""
+    return [(np.arange(a.size) % high).reshape(a.shape).astype(a.dtype)
+            if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
+
+
 # ---------------------------------------------------------------------------- KV-cache kernels
 # The paged KV cache's kernels read page tables and position maps, which random inputs would send out of
 # bounds. They run on one small, consistent cache instead: 2 sequences of 20 and 7 tokens in 16-token

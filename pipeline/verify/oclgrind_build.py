@@ -4,7 +4,7 @@ under Oclgrind's data-race, out-of-bounds and uninitialised-read checks.
 PoCL (execution.py) shows that a kernel computes the right numbers on one driver; it runs the work-items of
 a work-group one after another, so a race or a read past a buffer can still give them. Oclgrind checks every
 access of the same OpenCL C (verify/oclgrind.py). Here every twin kernel that PoCL runs gets the same kind of
-inputs (in-range integers: token ids and row positions below the prompt length) and runs under Oclgrind in one
+inputs (integers in range and distinct: execution.small_ints) and runs under Oclgrind in one
 child process; the verdict is appended to the kernel's "executed here" cell and summed up in one line.
 
 Not on by default: Oclgrind interprets every work-item, so SmolLM2's twin (one layer, its 49152-row lm_head
@@ -31,6 +31,7 @@ from pipeline.verify.execution import (
     gated_delta_inputs,
     kv_args,
     random_args,
+    small_ints,
 )
 from pipeline.verify.oclgrind import oclgrind_library, run_under_oclgrind
 
@@ -63,10 +64,7 @@ def twin_cases(twin: Any, target: Any) -> tuple[Any, dict[str, list[np.ndarray]]
             if any(k in name for k in KV_DRIVEN):
                 args = [np.asarray(a) for a in kv_args(name, func, rng, heads)]
             else:
-                args = random_args(func, rng, {"seq_len": SEQ_LEN, "n": SEQ_LEN})
-                # ids and row positions below the prompt length: whatever they index stays in bounds
-                args = [np.random.default_rng(1).integers(0, SEQ_LEN, a.shape).astype(a.dtype)
-                        if a.dtype.kind in "iu" and a.dtype != np.uint32 else a for a in args]
+                args = small_ints(random_args(func, rng, {"seq_len": SEQ_LEN, "n": SEQ_LEN}), SEQ_LEN)
                 if name in GPU_BOUND_LIBRARY:
                     args = gated_delta_inputs(args)
         except KeyError as err:
