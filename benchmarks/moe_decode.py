@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", default="q0f32")
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--keep", default="", help="build the bundles under this folder and keep them (for profiling)")
+    p.add_argument("--extra", action="append", default=[], metavar="NAME=BUNDLE",
+                   help="also time this built bundle in the same alternation (e.g. the kernels before a change)")
     a = p.parse_args(argv)
 
     import numpy as np
@@ -66,23 +70,36 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         folders = _models(a, Path(tmp))
-        engines = {name: Bundle(run_pipeline(str(f), "host-cpu", a.quant, out=str(Path(tmp) / "dist"),
+        dist = Path(a.keep) if a.keep else Path(tmp) / "dist"
+        engines = {name: Bundle(run_pipeline(str(f), "host-cpu", a.quant, out=str(dist),
                                              report=Reporter(quiet=True)).bundle).engine()
                    for name, f in folders.items()}
+        for extra in a.extra:
+            name, _, bundle = extra.partition("=")
+            engines[name] = Bundle(bundle).engine()
         prompt = list(range(1, 17))
         speeds: dict[str, list[float]] = {name: [] for name in engines}
+        tokens: dict[str, list[int]] = {}
+        load_before = os.getloadavg()
         for _ in range(a.rounds):
             for name, engine in engines.items():
                 engine.reset()
                 tok = int(np.argmax(engine.prefill(prompt)))
+                tokens[name] = []
                 t0 = time.perf_counter()
                 for _ in range(a.steps):
                     tok = engine.decode_greedy(tok)
+                    tokens[name].append(tok)
                 speeds[name].append(a.steps / (time.perf_counter() - t0))
     expert = 3 * a.hidden * a.inter
-    result = {"config": vars(a), "moe_expert_params_total": a.layers * a.experts * expert,
+    result = {"config": vars(a), "load_average_before_after": [load_before, os.getloadavg()],
+              "moe_expert_params_total": a.layers * a.experts * expert,
               "moe_expert_params_active": a.layers * a.top_k * expert,
-              "tok_s": {name: round(statistics.median(v), 2) for name, v in speeds.items()}}
+              "tok_s": {name: round(statistics.median(v), 2) for name, v in speeds.items()},
+              "tok_s_rounds": {name: [round(x, 2) for x in v] for name, v in speeds.items()},
+              # an extra bundle named after a built one (moe_before) decodes the same tokens?
+              "same_tokens": {name: tokens[name] == tokens[base] for name in tokens for base in folders
+                              if name != base and name.startswith(base)}}
     result["moe_over_dense"] = round(result["tok_s"]["moe"] / result["tok_s"]["dense"], 3)
     print(json.dumps(result, indent=1))
     return 0

@@ -22,6 +22,7 @@ from pipeline.formats import (  # noqa: F401 - read as config.X
     Q4_INTERLEAVE,
     Q8_INTERLEAVE,
     T2_INTERLEAVE,
+    T3_INTERLEAVE,
     TILE_FIELDS,
     WEIGHT_FORMATS,
 )
@@ -79,6 +80,7 @@ class TargetSpec:
     q4_interleave: int = 0            # NK q4 codes + scales of this many consecutive rows interleaved (arm_rows.py)
     q8_interleave: int = 0            # NK q8 codes + scales the same way (quantize.interleave_q8)
     t2_interleave: int = 0            # NK t2 (ternary) codes + scales the same way (q4's arrays: quantize.tile_kn)
+    t3_interleave: int = 0            # NK t3 (base-3 ternary) codes + scales the same way (arm_t3.py reads 4)
     schedule_rules: tuple[str, ...] = ()
     runnable_here: bool = False
     host_native: bool = False
@@ -273,12 +275,14 @@ def load_target(name: str) -> TargetSpec:
         if not isinstance(value, int) or value < 0 or value % 8 or value > 24:
             raise ConfigError(f"{tile_field} must be 0, 8, 16 or 24, not {value!r}", path=path,
                               fix=f"{tile_field}: 24 (the widest tile the kernels take) or 0 (plain KN codes)")
-    for rows_field in (Q4_INTERLEAVE, Q8_INTERLEAVE, T2_INTERLEAVE):
+    for rows_field in (Q4_INTERLEAVE, Q8_INTERLEAVE, T2_INTERLEAVE, T3_INTERLEAVE):
         value = getattr(spec, rows_field)
-        if value not in INTERLEAVES or (value and spec.weight_layout != "NK"):
-            raise ConfigError(f"{rows_field} must be 0, 4 or 8 on an NK target, not {value!r} "
+        allowed = (0, 4) if rows_field == T3_INTERLEAVE else INTERLEAVES     # arm_t3.py's task: 4 rows
+        if value not in allowed or (value and spec.weight_layout != "NK"):
+            raise ConfigError(f"{rows_field} must be {', '.join(map(str, allowed[:-1]))} or {allowed[-1]} on an NK "
+                              f"target, not {value!r} "
                               f"(weight_layout {spec.weight_layout})", path=path,
-                              fix=f"{rows_field}: 8 (the AArch64 sdot kernel's tile) or 0 (plain NK rows)")
+                              fix=f"{rows_field}: {allowed[-1]} (the AArch64 sdot kernel's tile) or 0 (plain NK rows)")
     if spec.runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {spec.runtime!r}", path=path, fix=f"use one of: {', '.join(RUNTIMES)}")
     if spec.cpu_class is not None:
@@ -289,6 +293,10 @@ def load_target(name: str) -> TargetSpec:
             "(PyPI apache-tvm, built without Vulkan/SPIR-V) does not have", path=path,
             fix="use a TVM built with USE_VULKAN=ON, or --target android-adreno (OpenCL)")
     return spec
+
+
+GPU_SAMPLER_KINDS = ("cuda", "vulkan", "metal")   # TVM target kinds where MLC's engine samples on the device
+                                                  # (Sampler::SupportGPUSampler); elsewhere on the host
 
 
 @dataclass(frozen=True)

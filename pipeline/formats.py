@@ -104,6 +104,7 @@ def tile_width(n: int, widest: int) -> int:
 Q4_INTERLEAVE = "q4_interleave"   # the target / metadata field: NK q4 rows interleaved by this many (arm_rows.py)
 Q8_INTERLEAVE = "q8_interleave"   # ... and NK q8 rows (quantize.interleave_q8)
 T2_INTERLEAVE = "t2_interleave"   # ... and NK t2 rows (the KN tiles of the NK words, as q4's)
+T3_INTERLEAVE = "t3_interleave"   # ... and NK t3 rows (the same arrays of base-3 words: kernels/cpu/arm_t3.py)
 INTERLEAVES = (0, 4, 8)
 
 

@@ -47,10 +47,15 @@ def eval_shape(expr: Any, env: dict[str, int]) -> int | None:
     ops = {tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
            tirx.FloorDiv: lambda a, b: a // b, tirx.FloorMod: lambda a, b: a % b,
            tirx.Div: lambda a, b: int(a / b), tirx.Mod: lambda a, b: a % b, tirx.Min: min, tirx.Max: max}
+    ops.update({tirx.LT: lambda a, b: int(a < b), tirx.LE: lambda a, b: int(a <= b),
+                tirx.GT: lambda a, b: int(a > b), tirx.GE: lambda a, b: int(a >= b), tirx.EQ: lambda a, b: int(a == b)})
     for cls, fn in ops.items():
         if isinstance(expr, cls):
             a, b = eval_shape(expr.a, env), eval_shape(expr.b, env)
             return None if a is None or b is None else fn(a, b)
+    if isinstance(expr, tirx.Select):   # a grid sized by tiers of the row count (kernels/gpu/norm_rows.py)
+        cond = eval_shape(expr.condition, env)
+        return None if cond is None else eval_shape(expr.true_value if cond else expr.false_value, env)
     return None
 
 

@@ -46,6 +46,7 @@ from pipeline.config import (
     Q4_INTERLEAVE,
     Q8_INTERLEAVE,
     T2_INTERLEAVE,
+    T3_INTERLEAVE,
     TILE_FIELDS,
     ModelSpec,
     QuantSpec,
@@ -69,6 +70,7 @@ from pipeline.onnx_stages import build_graph, check_quant, emit_graph, is_onnx
 from pipeline.progress import Reporter
 from pipeline.quant.auto_plan import auto_markdown, plan_auto
 from pipeline.quant.calibrate import Calibration
+from pipeline.quant.convert import unread_tensors
 from pipeline.quant.memory_plan import memory_plan, modes_for_scheme, plan_markdown
 from pipeline.quant.resumable import convert_weights
 from pipeline.report.coverage import add_dot_code, coverage_report, write_coverage
@@ -134,7 +136,8 @@ def define(loaded: Loaded, quant: QuantSpec, target: TargetSpec, report: Reporte
                            max_buffer_bytes=int(limit) if limit else None,
                            q8_tile=target.q8_tile if layout == "KN" else target.q8_interleave,   # NK: rows
                            q4_tile=target.q4_tile if layout == "KN" else target.q4_interleave,   # NK: rows
-                           t2_tile=target.t2_tile if layout == "KN" else target.t2_interleave)   # NK: rows
+                           t2_tile=target.t2_tile if layout == "KN" else target.t2_interleave,   # NK: rows
+                           t3_interleave=target.t3_interleave if layout == "NK" else 0)
     module = model_class(loaded.decoder)(loaded.decoder, factory, target.tvm())
     mod, params = module.export_tvm(spec=module.export_spec())
     mod = with_kv_config_fields(mod, load_runtime(target.runtime).kv_cache_config_fields)
@@ -168,6 +171,7 @@ def quantize(loaded: Loaded, defined: Defined, quant: QuantSpec, report: Reporte
     if loaded.checkpoint is None:
         return None
     _report_unused(loaded.checkpoint, report)
+    _refuse_unread(loaded, defined)
     # conversion options ride on the parameters' attrs (ternary format/source, rotation): part of the key
     calib = quant.calibration_spec
     key = digest({"weights": loaded.checkpoint.fingerprint(), "quant": quant.name, "layout": defined.layout,
@@ -246,6 +250,18 @@ def _report_unused(ckpt: Any, report: Reporter) -> None:
         report.info(f"load: skipping {' and '.join(skipped)}: not needed for text generation")
 
 
+def _refuse_unread(loaded: Loaded, defined: Defined) -> None:
+    """One line, before anything is written, for checkpoint tensors the model built from this config never
+    reads: the bundle would silently compute a different model than the checkpoint's."""
+    unread = unread_tensors(loaded.checkpoint, defined.params, defined.layout, loaded.decoder.tie_word_embeddings)
+    if unread:
+        more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+        raise WeightsError(f"the model this config describes never reads checkpoint tensor {unread[0]!r}{more}: "
+                           "a bundle built without them would compute a different model",
+                           path=loaded.checkpoint.path,
+                           fix="use the config.json that came with these weights (model_type, biases, norms)")
+
+
 def fuse(defined: Defined, target: TargetSpec):
     with target.tvm():
         return tvm.transform.Sequential(fusion_passes())(defined.mod)
@@ -275,6 +291,9 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     for tile_field, rows_field in (("q4_tile", Q4_INTERLEAVE), ("q8_tile", Q8_INTERLEAVE), ("t2_tile", T2_INTERLEAVE)):
         if defined.layout == "NK" and tile_field in meta:   # NK rows interleaved (formats.interleave_rows)
             meta[rows_field] = meta.pop(tile_field)
+    t3_rows = {int(p.attrs[T3_INTERLEAVE]) for _, p in defined.params if p.attrs and p.attrs.get(T3_INTERLEAVE)}
+    if t3_rows:     # NK t3 rows interleaved (no KN tile exists for t3)
+        meta[T3_INTERLEAVE] = max(t3_rows)
     tvm_target = target.tvm()
     backend = backend_for(target)
     forced = forcing.reasons(target, force_cpu)

@@ -76,13 +76,22 @@ def host_greedy(bundle, ids: list[int], steps: int) -> tuple[list[int], np.ndarr
     return out, np.stack(logits)
 
 
+T3_PTQ = "name: ternary_t3_ptq\nweight_format: t3\nweight_dtype: float16\nlayout: target\nternary_source: ptq\n" \
+         "formats:\n  embed_tokens: q8\n  lm_head: q8\n"   # ternary_t3's packing, post-training (SmolLM2 is not ternary)
+
+
 @needs_tools
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", ["q4f16", "ternary_ptq"])
-def test_smollm2_android_cpu_decode_under_qemu_matches_host(build_bundle, quant):
+@pytest.mark.parametrize("quant", ["q4f16", "ternary_ptq", "t3_ptq"])
+def test_smollm2_android_cpu_decode_under_qemu_matches_host(build_bundle, quant, tmp_path_factory):
     """ternary_ptq: t2 rows interleaved by 8 on the phone (arm_rows.py), KN tiles on the host; the same trits
     and scales (the PTQ is deterministic), the lm_head / embeddings q8. Measured 2026-12-06: at most 0.0108 of
-    the scale per step (0.004-0.007 after the prompt); the PTQ model repeats one token, host and phone alike."""
+    the scale per step (0.004-0.007 after the prompt); the PTQ model repeats one token, host and phone alike.
+    t3_ptq: the same trits in t3, rows interleaved by 4 on the phone (arm_t3.py), plain KN on the host."""
+    if quant == "t3_ptq":
+        quant = tmp_path_factory.mktemp("scheme") / "ternary_t3_ptq.yaml"
+        quant.write_text(T3_PTQ)
+        quant = str(quant)
     phone = build_bundle("smollm2-135m", "android-cpu", quant)
     host = build_bundle("smollm2-135m", "host-cpu", quant)
     ids = tokenize(phone, PROMPT)

@@ -21,6 +21,7 @@ from pipeline.kernels.cpu.arm_code import dot_kernels, find_objdump
 from pipeline.kernels.cpu.arm_rows import interleaved_position, rows_dot_kernel
 from pipeline.kernels.cpu.packed import NK_FORMATS
 from pipeline.quant.quantize import interleave_q8, tile_kn
+from pipeline.quant.ternary import unpack
 from pipeline.verify.qemu_aarch64 import build_kernels, missing_tools
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian packages {missing_tools()} (`make system-deps`)")
@@ -101,6 +102,8 @@ def _values(fmt: str, codes: np.ndarray, k: int) -> np.ndarray:
     spec = NK_FORMATS[fmt]
     if spec.bits == 8:
         return codes.astype(np.int64)
+    if fmt == "t3":     # base 3 (arm_t3.py): the project's own reader
+        return unpack(codes, "t3", k).astype(np.int64)
     fields = (codes[:, :, None] >> (spec.bits * np.arange(spec.codes, dtype=np.uint32))) & ((1 << spec.bits) - 1)
     return fields.reshape(codes.shape[0], -1)[:, :k].astype(np.int64) * spec.step - spec.offset   # b1: 2 bit - 1
 
@@ -139,22 +142,27 @@ def test_dot_layout_is_a_permutation_of_each_group():
         assert sorted(dot_layout(NK_FORMATS[fmt], j) for j in range(group)) == list(range(group)), fmt
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_sdot_kernel_matches_numpy_under_qemu(built, name):
+def assert_matches_emulation(built, name, args, fmt, plain, act, x_bytes):
+    """Kernel `name` run with 1 and 4 tasks on `args` (its layout): bit-identical, and within the output's own
+    rounding of the integer-arithmetic emulation and of the exact fp64 product of `plain` (NK codes, scales, x)."""
     one_task, four_tasks, _ = built
-    fmt, n, k, act, prompt, x_bytes = CASES[name]
-    args = _inputs(fmt, n, k, act, PROMPT_ROWS if prompt else 1, np.random.default_rng(len(name)))
     got = one_task.call(name, args)[-1]
     assert np.array_equal(got, four_tasks.call(name, args)[-1]), "result depends on the task count"
     got = got[0].astype(np.float64)
-    emulated, exact = _emulated(fmt, *args[:3], x_bytes), _exact(fmt, *args[:3])
+    emulated, exact = _emulated(fmt, *plain, x_bytes), _exact(fmt, *plain)
     scale = np.abs(exact).max()
-    own = np.abs(got - emulated).max() / scale
-    total = np.abs(got - exact).max() / scale
+    own, total = np.abs(got - emulated).max() / scale, np.abs(got - exact).max() / scale
     print(f"\n{name}: vs emulation {own:.2e}, vs exact fp64 {total:.2e} (of the output's scale)")
     output = 4 * FP16_ULP if act == "float16" else 1e-5    # the output's own rounding
     assert own <= output, own
     assert total <= (INT8_X_TOLERANCE if x_bytes == 1 else max(output, TWO_BYTE_X_TOLERANCE)), total
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sdot_kernel_matches_numpy_under_qemu(built, name):
+    fmt, n, k, act, prompt, x_bytes = CASES[name]
+    args = _inputs(fmt, n, k, act, PROMPT_ROWS if prompt else 1, np.random.default_rng(len(name)))
+    assert_matches_emulation(built, name, args, fmt, args[:3], act, x_bytes)
 
 
 def test_gemv_objects_use_sdot_in_a_vector_loop(built):
@@ -213,21 +221,11 @@ def test_interleaved_rows_kernel_matches_numpy_under_qemu(built, name):
     """q4 / q8 / t2 rows interleaved (the codes and scales as the converter stores them for android-cpu: q4 / t2
     quantize.tile_kn of the NK arrays transposed, q8 quantize.interleave_q8): against the same emulation and
     exact product as the plain kernels, within the same tolerances, and bit-identical with 1 and 4 tasks."""
-    one_task, four_tasks, _ = built
     fmt, n, k, tile, act, prompt, x_bytes = ROW_CASES[name]
     codes, scales, x, out = _inputs(fmt, n, k, act, PROMPT_ROWS if prompt else 1, np.random.default_rng(len(name)))
     rows = interleave_q8(codes, tile) if fmt == "q8" else tile_kn(codes.T, tile)
     args = [rows, tile_kn(scales.T, tile), x, out]
-    got = one_task.call(name, args)[-1]
-    assert np.array_equal(got, four_tasks.call(name, args)[-1]), "result depends on the task count"
-    got = got[0].astype(np.float64)
-    emulated, exact = _emulated(fmt, codes, scales, x, x_bytes), _exact(fmt, codes, scales, x)
-    scale = np.abs(exact).max()
-    own, total = np.abs(got - emulated).max() / scale, np.abs(got - exact).max() / scale
-    print(f"\n{name}: vs emulation {own:.2e}, vs exact fp64 {total:.2e} (of the output's scale)")
-    output = 4 * FP16_ULP if act == "float16" else 1e-5
-    assert own <= output, own
-    assert total <= (INT8_X_TOLERANCE if x_bytes == 1 else max(output, TWO_BYTE_X_TOLERANCE)), total
+    assert_matches_emulation(built, name, args, fmt, (codes, scales, x), act, x_bytes)
 
 
 def test_prompt_rows_in_pairs_share_each_code_vector(built):

@@ -103,7 +103,7 @@ def test_unknown_phone_is_one_line():
         load_phone("nokia")
 
 
-@pytest.mark.parametrize("room", ["some upgrades", "some ternary"])
+@pytest.mark.parametrize("room", ["some upgrades", pytest.param("some ternary", marks=pytest.mark.slow)])   # ~13 s
 def test_auto_build_accounting_matches_emitted_tensors(tmp_path_factory, room):
     """A tiny Qwen3 built with --quant auto for a phone whose budget allows only some upgrades (or needs some
     roles below q4): the bundle's tensor cache holds exactly the weight bytes the plan counted, in the
@@ -192,7 +192,7 @@ def test_calibrated_plan_predicts_kl_and_keeps_the_measurement(tmp_path_factory,
     host = dict(context=1024, compute_dtype="float32", prefill_chunk=128, ckpt=ckpt)
     with Calibration(ckpt, ckpt.config, CalibrationSpec(tokens=256, window=64), store=store) as cal:
         first = plan_auto(ckpt.config, phone={"name": "big", "app_budget_gb": 1000, "bandwidth_gbs": 50},
-                          calibration=cal, **host)
+                          calibration=cal, speed_keep=None, **host)   # memory the only limit
     assert first["error_model"] == "predicted-kl"
     kl = first["role_kl_q4_rtn"]
     assert set(kl) == set(first["formats"]) and all(v > 0 for v in kl.values())
@@ -280,6 +280,30 @@ def test_35b_a3b_fits_a_16gb_phone_only_with_ternary_experts(moe35b):
     mode, groups = modes_for_scheme("b1", "float16", {"experts": "q4"})   # why the floor dropped: 18.77 GB > 12
     smallest = memory_plan(moe35b, quant=mode, group_modes=groups, contexts=(8192,), phone=phone)
     assert round(smallest["contexts"][0]["total_bytes"] / 1e9, 2) == 18.77
+
+
+def test_35b_a3b_upgrades_keep_the_decode_speed_on_a_16gb_phone(moe35b):
+    """With t3 experts on the 16 GB phone ~3 GB are left over; spending them on float GDN / attention / shared
+    expert (memory the only limit) predicts 11.1 tok/s against 28.1 for the plan before upgrades. Upgrades may
+    cost at most 1 - SPEED_KEEP of that speed: same experts, the plan within 10% of 28.1, the unlimited one
+    still available (speed_keep=None) and slower; on the 24 GB phone the cap changes nothing (its q8 upgrades
+    cost 9%)."""
+    from pipeline.quant.auto_plan import SPEED_KEEP
+
+    phone = {"id": "android-16gb", **load_phone("android-16gb")}
+    capped = plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b")
+    unlimited = plan_auto(moe35b, phone=phone, context=8192, model_name="qwen3.5-35b-a3b", speed_keep=None)
+    speed = {name: r["plan"]["contexts"][0]["predicted_decode_tok_s"] for name, r in
+             (("capped", capped), ("unlimited", unlimited))}
+    before = capped["decode_tok_s_before_upgrades"]
+    assert round(before, 1) == 28.1 and round(speed["unlimited"], 1) == 11.1
+    assert SPEED_KEEP * before <= speed["capped"] < before and capped["steps"]
+    assert "kept at least 90% of its predicted decode speed (28.12 tok/s)" in auto_markdown(capped)
+    assert capped["formats"]["experts"] == unlimited["formats"]["experts"] == "t3"
+    assert "float" in unlimited["formats"].values()
+    phone24 = {"id": "android-24gb", **load_phone("android-24gb")}
+    assert plan_auto(moe35b, phone=phone24, context=8192)["formats"] == plan_auto(
+        moe35b, phone=phone24, context=8192, speed_keep=None)["formats"]
 
 
 def test_35b_a3b_b1_experts_only_below_t3s_fit_and_refused_in_one_line(moe35b):

@@ -90,8 +90,21 @@ def config_disagrees_with_weights(folder: Path) -> str:
     return "intermediate_size is 96"
 
 
+def tensor_the_config_never_reads(folder: Path) -> str:
+    """A Qwen3-style q-norm weight in a Llama checkpoint: a Llama build would drop it and compute another model."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    name = "model.layers.0.self_attn.q_norm.weight"
+    save_file({name: np.ones(16, np.float32)}, str(folder / "extra.safetensors"))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = "extra.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return name
+
+
 @pytest.mark.parametrize("breaker", [truncated, lying_header, missing_shard, pickle_bin, config_not_json,
-                                     config_disagrees_with_weights])
+                                     config_disagrees_with_weights, tensor_the_config_never_reads])
 def test_bad_weights_one_line_no_bundle(tmp_path, good_folder, breaker):
     folder = _copy(good_folder, tmp_path / "model")
     culprit = breaker(folder)

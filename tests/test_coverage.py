@@ -66,7 +66,7 @@ def test_adreno_op_classes(adreno):
     cls = {r["name"]: r["op_class"] for r in report["kernels"]}
     assert cls["batch_decode_paged_kv"] == "attention"
     assert cls["batch_prefill_paged_kv"] == "attention"
-    assert cls["rms_norm"] == "rmsnorm"
+    assert cls["rms_norm_split"] == "rmsnorm" and cls["fused_add_rms_norm"] == "rmsnorm"
     assert cls["take"] == "gather"
     assert cls["tir_kv_cache_transpose_append"] == "kv-cache"
     assert cls["fused_split_silu_multiply"] in ("elementwise", "injective")
@@ -180,7 +180,7 @@ def test_default_model_rows_name_their_module(default_model_rows):
     assert by_name["dequantize_embedding"] == "embed_tokens"
     assert by_name["batch_decode_paged_kv"] == "layers.*.self_attn"
     # the first layer's input norm alone; every other norm is fused with the residual add before it (add_norm.py)
-    assert by_name["rms_norm"] == "layers.*.input_layernorm", by_name["rms_norm"]
+    assert by_name["rms_norm_split"] == "layers.*.input_layernorm", by_name["rms_norm_split"]
     assert set(by_name["fused_add_rms_norm"].split(", ")) == {"layers.*.input_layernorm",
                                                               "layers.*.post_attention_layernorm", "norm"}
     assert all(r["module"] for r in rows)
@@ -236,7 +236,7 @@ def test_adreno_gpu_cost_columns_and_prediction(adreno):
 
 def test_adreno_attention_cost_at_1k_context(adreno_built):
     """With a context, the decode attention row is costed: our split-KV kernel's two launches for one sequence
-    (3 KV heads x 16 parts of 64 work-items, then 3 x 3 merge groups of 8), its barriers, and a prediction from
+    (3 KV heads x 16 parts of 64 work-items, then 9 heads x 8 column chunks = 72 merge groups of 1), its barriers, and a prediction from
     the streaming launch's 48 work-groups; TVM's kernel it replaced had 3 (test_gpu_attention.py)."""
     from pipeline.report.coverage import to_markdown
 
@@ -244,22 +244,32 @@ def test_adreno_attention_cost_at_1k_context(adreno_built):
     report = coverage_report(mod, records, target, context_len=1024)
     row = next(r for r in report["kernels"] if r["name"] == "batch_decode_paged_kv")
     cost, step = row["gpu_cost"], row["decode_step"]
-    assert cost["launches"] == [(48, 64), (9, 8)] and "2 per 64 keys" in cost["barriers"]
+    assert cost["launches"] == [(48, 64), (72, 1)] and "2 per 64 keys" in cost["barriers"]
     assert step["calls"] == LAYERS and step["bytes_per_call"] > 1024 * 2 * 3 * 64 * 2
     assert cost["predicted_us_per_call"] == pytest.approx(step["bytes_per_call"] / 76.8e3, abs=0.01)
     assert "| barriers / launch |" in to_markdown(report)
 
 
-def test_adreno_residual_add_and_norm_are_one_launch(adreno):
+def test_adreno_norm_launches_fill_the_gpu(adreno):
     """Each layer boundary (residual add, then the RMSNorm of the sum) is one fused_add_rms_norm launch with both
-    outputs (kernels/gpu/add_norm.py): 2 per layer instead of 4, only the first layer's input norm left alone."""
+    outputs, the first layer's input norm one rms_norm_split launch (kernels/gpu/add_norm.py): 2 per layer instead
+    of 4. At one token each is 48 work-groups of 64 (kernels/gpu/norm_rows.py), every one reading the whole row:
+    the 47 re-reads are in its plan's bytes and in its prediction, at the full launch's bandwidth."""
     _, report, _ = adreno
     decode = {r["name"]: r for r in report["kernels"] if r["decode_step"]["calls"]}
     fused = [r for n, r in decode.items() if n.startswith("fused_add_rms_norm")]
+    plain = [r for n, r in decode.items() if n.startswith("rms_norm_split")]
     assert sum(r["decode_step"]["calls"] for r in fused) == 2 * LAYERS
-    assert [r["decode_step"]["calls"] for r in decode.values() if r["op_class"] == "rmsnorm" and r not in fused] == [1]
+    assert [r["decode_step"]["calls"] for r in plain] == [1]
+    assert [r["name"] for r in decode.values() if r["op_class"] == "rmsnorm" and r not in fused + plain] == []
     assert not [n for n in decode if n.startswith("add")], sorted(decode)
-    assert all(r["gpu_cost"]["launches"] == [(1, 64)] and r["gpu_cost"]["barriers"] == "1" for r in fused)
+    row_bytes = SMALL["hidden_size"] * 2
+    for r, inputs in [*((f, 2) for f in fused), *((p, 1) for p in plain)]:
+        cost = r["gpu_cost"]
+        assert cost["launches"] == [(48, 64)] and cost["barriers"] == "1"
+        assert cost["reread_bytes"] == 47 * inputs * row_bytes
+        want = (r["decode_step"]["bytes_per_call"] + cost["reread_bytes"]) / 76.8e3
+        assert cost["predicted_us_per_call"] == pytest.approx(want, abs=0.01)
 
 
 def test_rnn_state_builtins_count_as_calls_of_their_copy_kernels():
@@ -339,3 +349,11 @@ def test_hybrid_adreno_gdn_state_traffic():
         assert rows[name]["gpu_cost"]["predicted_us_per_call"] is not None
     assert not [n for n, r in rows.items() if r["decode_step"]["calls"] and r["decode_step"]["bytes_per_call"] == 2 * state
                 and "reshape" in n]
+    # the zero-centred norms (scale 1 + w): each residual add + norm one launch, the first input norm and the full
+    # attention layer's q / k norms (4 / 2 heads of 32) one each, every one 48 work-groups at one token
+    decode = {n: r for n, r in rows.items() if r["decode_step"]["calls"]}
+    assert sum(r["decode_step"]["calls"] for n, r in decode.items() if n.startswith("fused_add_rms_norm")) == 8
+    assert sorted(r["decode_step"]["calls"] for n, r in decode.items() if n.startswith("rms_norm_split")) == [1, 1, 1]
+    assert not [n for n in decode if n.startswith(("add", "rms_norm")) and not n.startswith("rms_norm_split")], decode
+    assert all(r["gpu_cost"]["launches"] == [(48, 64)] for n, r in decode.items() if n.startswith(
+        ("fused_add_rms_norm", "rms_norm_split")))

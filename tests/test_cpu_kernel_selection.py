@@ -85,21 +85,25 @@ def test_float_decode_gemvs_get_the_hand_written_kernel(loaded):
         assert func.attrs and str(func.attrs.get(OP_CLASS_ATTR)) == "gemv", name
 
 
-NK_DEQUANT = re.compile(r"fused_dequantize_(q4|q8|t2|b1)_nk\d*_matmul\d*")
+SLOW = pytest.mark.slow   # the plain-NK (rows 0) forms: the default android-cpu layout interleaves rows
+NK_DEQUANT = re.compile(r"fused_dequantize_(q4|q8|t2|t3|b1)_nk\d*_matmul\d*")
 
 
-@pytest.mark.parametrize("quant,formats,rows", [("q4f16", {"q4"}, 8), ("q4f16", {"q4"}, 0), ("q8f16", {"q8"}, 8),
-                                                ("q8f16", {"q8"}, 0), ("ternary_ptq", {"t2", "q8"}, 8),
+@pytest.mark.parametrize("quant,formats,rows", [("q4f16", {"q4"}, 8), pytest.param("q4f16", {"q4"}, 0, marks=SLOW),
+                                                ("q8f16", {"q8"}, 8), pytest.param("q8f16", {"q8"}, 0, marks=SLOW),
+                                                ("ternary_ptq", {"t2", "q8"}, 8),
+                                                ("ternary_t3", {"t3", "q8"}, 8),
                                                 pytest.param("ternary_ptq", {"t2", "q8"}, 0, marks=pytest.mark.slow),
                                                 pytest.param("binary_ptq", {"b1", "q8"}, 8, marks=pytest.mark.slow)])
 def test_android_cpu_dequant_matmuls_get_the_sdot_kernel(loaded, quant, formats, rows):
     """android-cpu (NK codes, fp16 compute, +dotprod): every decode GEMV and prefill matmul of NK q4 / q8 / t2 / b1
     codes is an sdot kernel under the rule cpu_arm_dot (its op class declared, no TIR blocks left, the sdot
     intrinsic in its body): q4 / q8 / t2 with the target's rows interleaved (q4_interleave / q8_interleave /
-    t2_interleave: 8) arm_rows.py's, over 3-d codes, and arm.py's over plain rows (0; b1 always); without
-    dotprod in the target none is."""
+    t2_interleave: 8) arm_rows.py's, over 3-d codes, and arm.py's over plain rows (0; b1 always); t3 arm_t3.py's
+    over rows interleaved by 4 (t3_interleave) or plain (before it, t3 got no rule: TVM's default lowering);
+    without dotprod in the target none is."""
     target = dataclasses.replace(load_target("android-cpu"), q4_interleave=rows, q8_interleave=rows,
-                                 t2_interleave=rows)
+                                 t2_interleave=rows, t3_interleave=4 if rows else 0)
     mod, records = tune(fuse(define(loaded, load_quant(quant), target), target), target)
     rules = {r.name: r.rule for r in records}
     kernels = _kernels(mod, NK_DEQUANT)
@@ -110,8 +114,9 @@ def test_android_cpu_dequant_matmuls_get_the_sdot_kernel(loaded, quant, formats,
         assert rules[name] == "cpu_arm_dot" and not block_names(func), name
         assert "llvm.aarch64.neon.sdot" in func.script(), name
         codes = next(p for p in func.params if str(p.dtype) in ("uint32", "int8"))
-        interleaved = NK_DEQUANT.fullmatch(name).group(1) != "b1" and bool(rows)
-        width = rows * (4 if str(codes.dtype) == "int8" else 1)     # q8: 4 codes of each row side by side
+        fmt = NK_DEQUANT.fullmatch(name).group(1)
+        interleaved = fmt != "b1" and bool(rows)
+        width = 4 if fmt == "t3" else rows * (4 if str(codes.dtype) == "int8" else 1)   # q8: 4 codes of each row side by side
         assert len(codes.shape) == (3 if interleaved else 2) and (not interleaved or int(codes.shape[2]) == width), name
     assert {r for n, r in rules.items() if n not in kernels} <= {"cpu-default", "library"}   # library: TVM pre-scheduled
     plain = dataclasses.replace(target, tvm_target={**target.tvm_target, "mattr": ["+neon", "+fullfp16"]})
@@ -138,3 +143,19 @@ def test_android_hexagon_cpu_half_q4_matmuls_get_the_kn_sdot_kernel(loaded):
     placed = backend_for(target).place(mod, records, SMALL["vocab_size"], unscheduled=unscheduled)
     on_npu = {r.name: r.rule for r in placed if r.on_device}
     assert {on_npu.get(n) for n in kernels if "lm_head" not in n} >= {"hvx-q4-vrmpy", "hvx-q4-prefill-vrmpy"}, on_npu
+
+
+@pytest.mark.slow
+def test_android_hexagon_cpu_half_t3_matmuls_get_the_t3_sdot_kernel(loaded):
+    """ternary_t3 on android-hexagon (KN codes): every t3 decode GEMV and prefill matmul of the aarch64 library is
+    arm_t3.py's sdot kernel in its KN form under cpu_arm_dot."""
+    target = load_target("android-hexagon")
+    mod, records = tune(fuse(define(loaded, load_quant("ternary_t3"), target), target), target)
+    pattern = re.compile(r"fused_dequantize_t3_kn\d*_matmul\d*")
+    kernels = _kernels(mod, pattern)
+    rules = {r.name: r.rule for r in records}
+    assert len(kernels) >= 2, sorted(rules)
+    for name, func in kernels.items():
+        assert rules[name] == "cpu_arm_dot" and not block_names(func), name
+        assert "llvm.aarch64.neon.sdot" in func.script(), name
+        assert str(func.attrs[OP_CLASS_ATTR]).endswith("-ternary"), name

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tvm
 
-from pipeline.kernels.gpu.attention import FILL_GROUPS, W, decode_splits, paged_decode_gpu
+from pipeline.kernels.gpu.attention import FILL_GROUPS, W, decode_splits, merge_chunks, paged_decode_gpu
 from pipeline.verify.opencl_plan import ADRENO_TARGET, accumulators, opencl_kernels
 
 pytest.importorskip("pyopencl")
@@ -108,14 +108,17 @@ def test_split_kv_decode_matches_tvms_kernel():
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_launches_fill_the_gpu_with_few_barriers(shape):
-    """One sequence gives >= FILL_GROUPS work-groups of W work-items; the split kernel has 4 barriers in all (q
+    """One sequence gives >= FILL_GROUPS work-groups of W work-items, the merge >= FILL_GROUPS too (a head's
+    output columns split over work-groups); the split kernel has 4 barriers in all (q
     loaded, two per tile of W keys, the key lanes' sum), the merge none."""
     h_kv, h_q, d = SHAPES[shape]
     program = _program(h_kv, h_q, d, "float16")
     split, merge = program.launches("main")
     assert f"grid=(B, {h_kv}, {decode_splits(h_kv)}) block=({W}, 1, 1)" in split.describe()
     assert h_kv * decode_splits(h_kv) >= FILL_GROUPS
-    assert f"grid=(B, {h_kv}, {h_q // h_kv})" in merge.describe()
+    chunks = merge_chunks(h_q, d // 8)
+    assert f"grid=(B, {h_kv * chunks}, {h_q // h_kv}) block=({d // 8 // chunks}, 1, 1)" in merge.describe()
+    assert h_kv * chunks * (h_q // h_kv) >= FILL_GROUPS
     kernels = program.source.split("// Function: ")
     assert [k.count("barrier(") for k in kernels[1:]] == [4, 0]
     assert "vload8(0, pages_ptr" in program.source       # 16-byte loads of fp16 K / V rows
@@ -145,7 +148,8 @@ def test_metal_variant_builds_with_4_wide_loads():
     metal = tvm.target.Target({"kind": "metal", "max_threads_per_block": 1024, "host": {"kind": "llvm"}})
     theirs = _attention_decode(*SHAPES["smollm2"], "float16", False, rope_scaling={}, target=metal)
     ours = decode_for(theirs, "metal")
-    assert 'T.thread_binding(16, thread="threadIdx.x")' in ours.script()   # the merge: D / 4 work-items
+    lanes = SHAPES["smollm2"][2] // 4   # the merge: D / 4 work-items per head, split over chunks of columns
+    assert f'T.thread_binding({lanes // merge_chunks(SHAPES["smollm2"][1], lanes)}, thread="threadIdx.x")' in ours.script()
     tvm.compile(tvm.IRModule({"main": ours.with_attr("global_symbol", "main")}), target=metal)
 
 

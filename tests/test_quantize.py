@@ -205,6 +205,10 @@ def test_target_q4_interleave_is_checked(tmp_path, monkeypatch):
     bad.write_text(text.replace("t2_interleave: 8", "t2_interleave: 2"))
     with pytest.raises(ConfigError, match=r"cpu-bad-rows.yaml: t2_interleave must be 0, 4 or 8 on an NK target"):
         config.load_target("cpu-bad-rows")
+    assert (android.t3_interleave, host.t3_interleave) == (4, 0)      # arm_t3.py's 4 rows per task only
+    bad.write_text(text.replace("t3_interleave: 4", "t3_interleave: 8"))
+    with pytest.raises(ConfigError, match=r"cpu-bad-rows.yaml: t3_interleave must be 0 or 4 on an NK target"):
+        config.load_target("cpu-bad-rows")
 
 
 def test_tile_width_is_the_widest_that_splits_the_outputs():

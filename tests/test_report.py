@@ -316,7 +316,8 @@ def test_diff_real_builds_gpu_vs_cpu(adreno_bundle, cpu_bundle):
             assert d["accelerator_share"][phase][metric]["a_pct"] == 100.0
             assert d["accelerator_share"][phase][metric]["b_pct"] == 0.0
             assert d["accelerator_share"][phase][metric]["delta_pct"] == -100.0
-    assert "rms_norm" in {m["name"] for m in d["moved"]}
+    # the norms differ by name (GPU targets: our rms_norm_split / fused_add_rms_norm); the embedding gather is common
+    assert "dequantize_embedding" in {m["name"] for m in d["moved"]}
     proc = report_cli(adreno_bundle, cpu_bundle)
     assert proc.returncode == 0 and "to the CPU" in proc.stdout and "-100.0 pts" in proc.stdout
 

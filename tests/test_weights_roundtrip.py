@@ -127,6 +127,34 @@ def test_android_cpu_interleaved_t2_rows_read_back_as_the_plain_rows(tiny_llama)
                                       dequantize_ternary(*quantize_ternary(w, "t2", "NK"), "t2", k, "NK"))
 
 
+def test_android_cpu_interleaved_t3_rows_read_back_as_the_plain_rows(tiny_llama):
+    """t3 on android-cpu (rows interleaved by 4, target t3_interleave; the post-training form of ternary_t3, the
+    tiny checkpoint not being ternary): the tensor cache holds [N / 4, ceil(K / 20), 4] codes and [N / 4, groups,
+    4] scales, and the reference reader gives exactly the weights of the plain NK ternarisation."""
+    import dataclasses
+
+    import tvm
+    from tvm.contrib import tvmjs
+
+    from pipeline.config import load_model, load_quant, load_target
+    from pipeline.progress import Reporter
+    from pipeline.quant.ternary import dequantize_ternary, quantize_ternary
+    from pipeline.stages import define, load, quantize
+
+    folder, state = tiny_llama
+    loaded = load(load_model(str(folder)))
+    scheme = dataclasses.replace(load_quant("ternary_t3"), ternary_source="ptq")
+    defined = define(loaded, scheme, load_target("android-cpu"))
+    params, meta = tvmjs.load_tensor_cache(str(quantize(loaded, defined, scheme, Reporter(quiet=True))), tvm.cpu())
+    for name, parts in (("self_attn.qkv_proj", [f"self_attn.{p}_proj" for p in "qkv"]), ("mlp.down_proj", ["mlp.down_proj"])):
+        w = np.concatenate([state[f"model.layers.1.{p}.weight"] for p in parts], axis=0)
+        n, k = w.shape
+        codes, scale = (params[f"model.layers.1.{name}.{s}"].numpy() for s in ("q_weight", "q_scale"))
+        assert codes.shape == (n // 4, -(-k // 20), 4) and scale.shape == (n // 4, -(-k // 128), 4), name
+        np.testing.assert_array_equal(dequantize_ternary(codes, scale, "t3", k, "NK"),
+                                      dequantize_ternary(*quantize_ternary(w, "t3", "NK"), "t3", k, "NK"))
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q8", "t2"])
 def test_te_dequantize_reads_interleaved_rows_like_the_reference(fmt):
     """The layers' TE dequantize (what the fused kernels and the lm_head compute from) reads android-cpu's

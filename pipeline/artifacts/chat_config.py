@@ -13,7 +13,7 @@ from typing import Any
 from pipeline.artifacts.conversation import bundle_conversation, to_json
 from pipeline.artifacts.tokenizer_info import DEFAULT_INFO, detect_tokenizer_info
 from pipeline.config import TILE_FIELDS
-from pipeline.formats import Q4_INTERLEAVE, Q8_INTERLEAVE, T2_INTERLEAVE
+from pipeline.formats import Q4_INTERLEAVE, Q8_INTERLEAVE, T2_INTERLEAVE, T3_INTERLEAVE
 
 CHAT_CONFIG_VERSION = "0.1.0"
 
@@ -64,5 +64,5 @@ def chat_config(loaded: Any, quant: Any, build_info: dict[str, Any], tokenizer_f
         "system_lib_prefix": build_info["system_lib_prefix"],
         "activation_dtype": build_info["metadata"]["activation_dtype"],
         "weight_layout": build_info["metadata"]["weight_layout"],
-        **{f: build_info["metadata"][f] for f in (*TILE_FIELDS, Q4_INTERLEAVE, Q8_INTERLEAVE, T2_INTERLEAVE) if build_info["metadata"].get(f)},
+        **{f: build_info["metadata"][f] for f in (*TILE_FIELDS, Q4_INTERLEAVE, Q8_INTERLEAVE, T2_INTERLEAVE, T3_INTERLEAVE) if build_info["metadata"].get(f)},
     }

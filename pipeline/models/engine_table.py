@@ -19,6 +19,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.script import tirx as T
 
+from pipeline.config import GPU_SAMPLER_KINDS
 from pipeline.models import gpu_sampler
 
 KV_CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"   # the runtime builtin the KV cache calls
@@ -26,7 +27,6 @@ KV_CACHE_CREATE = "vm.builtin.paged_attention_kv_cache_create"   # the runtime b
 GREEDY_TEMPERATURE = 1e-5   # at or below: the engine samples greedily (top_p 0), so probs are one-hot at the max
 
 
-GPU_SAMPLER_KINDS = ("cuda", "vulkan", "metal")   # where MLC's engine samples on the device (gpu_sampler.py)
 THREADS = 256   # work items per GPU block of the logit kernels (each item is one scattered read-modify-write)
 
 

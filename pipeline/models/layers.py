@@ -20,6 +20,7 @@ from pipeline.formats import (  # noqa: F401 - also read as layers.X by tests
     CODES_PER_WORD,
     FORMAT_BITS,
     GROUP,
+    T3_INTERLEAVE,
     ZERO,
     interleave_rows,
     interleaved_q8_index,
@@ -230,21 +231,24 @@ class TernaryLinear(nn.Module):
     """Ternary weights {-s, 0, +s}, one scale per 128 along K, packed `fmt` t2 (2 bits) or t3 (base 3)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, layout: str, fmt: str,
-                 scale_dtype: str = "float16", rotate: int = 1, t2_tile: int = 0):
+                 scale_dtype: str = "float16", rotate: int = 1, t2_tile: int = 0, t3_interleave: int = 0):
         self.in_features, self.out_features, self.layout, self.dtype = in_features, out_features, layout, dtype
         self.fmt, self.rotate = fmt, rotate
         k, n = in_features, out_features
         codes, groups = tern.packed_len(fmt, k), tern.n_groups(k)
         # `t2_tile` (the target's): KN t2 codes and scales tiled like q4 (quantize.tile_kn, `tile_width`); NK:
         # that many rows interleaved (`interleave_rows`: the same 3-d arrays, read alike)
+        # `t3_interleave`: NK t3 rows interleaved the same way (arm_t3.py's sdot kernel reads 4 rows' words at once)
         tile = 0
         if t2_tile and fmt == "t2" and k % 16 == 0:
             tile = tile_width(n, t2_tile) if layout == "KN" else interleave_rows(n, t2_tile)
+        elif t3_interleave and fmt == "t3" and layout == "NK":
+            tile = interleave_rows(n, t3_interleave)
         if tile:
             self.q_weight = nn.Parameter((n // tile, codes, tile), tern.code_dtype(fmt))
             self.q_scale = nn.Parameter((n // tile, groups, tile), scale_dtype)
             for p in (self.q_weight, self.q_scale):
-                p.attrs["t2_tile"] = tile
+                p.attrs["t2_tile" if fmt == "t2" else T3_INTERLEAVE] = tile
         else:
             self.q_weight = nn.Parameter((n, codes) if layout == "NK" else (codes, n), tern.code_dtype(fmt))
             self.q_scale = nn.Parameter((n, groups) if layout == "NK" else (groups, n), scale_dtype)
@@ -362,6 +366,7 @@ class LayerFactory:
     q8_tile: int = 0                 # KN q8 codes tiled by this many columns (the target's q8_tile; 0: plain)
     q4_tile: int = 0                 # KN q4 codes and scales tiled by up to this many columns (the target's q4_tile)
     t2_tile: int = 0                 # ... and KN t2 codes and scales (the target's t2_tile)
+    t3_interleave: int = 0           # NK t3 rows interleaved by this many (the target's t3_interleave)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -375,7 +380,7 @@ class LayerFactory:
         rotate = tern.rotation_block(in_features, self.rotation) if self.rotation and role != "lm_head" else 1
         if fmt in tern.PACKINGS:
             layer = TernaryLinear(in_features, out_features, bias, self.dtype, self.layout, fmt, self.scale_dtype,
-                                  rotate=rotate, t2_tile=self.t2_tile)
+                                  rotate=rotate, t2_tile=self.t2_tile, t3_interleave=self.t3_interleave)
             self._mark(layer, fmt, rotate)
             return layer
         if fmt in FORMAT_BITS and in_features % GROUP == 0:

@@ -22,6 +22,7 @@ from pipeline.errors import ConfigError
 from pipeline.formats import FORMAT_BITS, GROUP, PACKINGS
 from pipeline.models.layers import FloatLinear, LayerFactory
 from pipeline.models.moe_grouped import moe_grouped_down, moe_grouped_gate_up, moe_sort
+from pipeline.models.moe_grouped_gpu import moe_grouped_down_gpu, moe_grouped_gate_up_gpu, moe_sort_gpu
 from pipeline.models.moe_kernels import (
     WEIGHT_FORMATS,
     code_dtype,
@@ -133,7 +134,7 @@ class SparseMoE(nn.Module):
         idx, weight = op.tensor_ir_op(moe_route(E, k, self.norm_topk, gpu=self.gpu, max_threads=self.threads),
                                       "moe_route", [logits],
                                       [Tensor.placeholder((n, k), "int32"), Tensor.placeholder((n, k), "float32")])
-        if self.gpu or (isinstance(s, int) and s == 1):   # decode (one token per sequence): gather GEMVs
+        if isinstance(s, int) and s == 1:   # decode (one token per sequence): gather GEMVs
             y = self._gathered(flat, idx, weight, n)
         else:
             y = self._grouped(flat, idx, weight, n)
@@ -143,7 +144,7 @@ class SparseMoE(nn.Module):
 
 
     def _gathered(self, flat: Tensor, idx: Tensor, weight: Tensor, n: Any) -> Tensor:
-        """Each token's k experts on their own (moe_kernels): decode, and prefill on GPU targets."""
+        """Each token's k experts on their own (moe_kernels): decode."""
         E, k, inter, h, dtype = self.num_experts, self.top_k, self.inter, self.hidden, self.dtype
         kw = dict(gpu=self.gpu, max_threads=self.threads)
         gu, down = self.experts.gate_up_proj, self.experts.down_proj
@@ -155,17 +156,23 @@ class SparseMoE(nn.Module):
                                Tensor.placeholder((n, h), dtype))
 
     def _grouped(self, flat: Tensor, idx: Tensor, weight: Tensor, n: Any) -> Tensor:
-        """Prefill on CPU targets: the chunk's slots sorted by expert, each expert's rows read once per chunk
-        (moe_grouped), then the routing-weighted sum over the k slots in fp32."""
+        """Prefill: the chunk's slots sorted by expert, each expert's rows read once per chunk (moe_grouped; on GPU
+        targets its thread-bound twin moe_grouped_gpu), then the routing-weighted sum over the k slots in fp32."""
         E, k, inter, h, dtype = self.num_experts, self.top_k, self.inter, self.hidden, self.dtype
         gu, down = self.experts.gate_up_proj, self.experts.down_proj
-        offsets, order = op.tensor_ir_op(moe_sort(E, k), "moe_sort", [idx],
+        if self.gpu:
+            kw = dict(max_threads=self.threads)
+            sort, gate_up, down_proj = moe_sort_gpu(E, k, **kw), moe_grouped_gate_up_gpu, moe_grouped_down_gpu
+        else:
+            kw = {}
+            sort, gate_up, down_proj = moe_sort(E, k), moe_grouped_gate_up, moe_grouped_down
+        offsets, order = op.tensor_ir_op(sort, "moe_sort", [idx],
                                          [Tensor.placeholder((E + 1,), "int32"), Tensor.placeholder((n * k,), "int32")])
-        act = op.tensor_ir_op(moe_grouped_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype),
+        act = op.tensor_ir_op(gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype, **kw),
                               "moe_grouped_gate_up", [flat, offsets, order, *gu.tensors],
                               Tensor.placeholder((n, k, inter), dtype))
         per_slot = op.tensor_ir_op(
-            moe_grouped_down(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype),
+            down_proj(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype, **kw),
             "moe_grouped_down", [act, offsets, order, *down.tensors], Tensor.placeholder((n, k, h), "float32"))
         y = op.sum(per_slot * op.reshape(weight, (n, k, 1)), axis=1)
         return y if dtype == "float32" else y.astype(dtype)

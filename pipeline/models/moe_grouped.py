@@ -12,8 +12,8 @@ per chunk and reused from cache across its tokens — one grouped matmul per pro
     moe_grouped_down:     h [n, k, I], offsets, order, W_d [E, H, I] ->  o [n, k, H]   (one row per slot)
 
 The routing-weighted sum over the k slots (`y[t] = sum_j weight[t, j] o[t, j]`) is left to the caller. Each
-dot product runs over K in the same serial fp32 order as the gather kernels', so the grouped path gives the
-same numbers. Loop TIR with a `parallel` outer loop over (expert, row) pairs; the slots of an expert are a
+dot product is the gather kernels' vectorised one (kernels/cpu/expert_rows.py: same lanes, same order), so
+the grouped path gives the same numbers. Loop TIR with a `parallel` outer loop over (expert, row) pairs; the slots of an expert are a
 data-dependent inner loop (experts get unequal shares: the parallel loop balances rows, not tokens).
 """
 
@@ -22,7 +22,14 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from pipeline.models.moe_kernels import _check, _weight, code_dtype, weight_shapes
+from pipeline.kernels.cpu.expert_rows import (
+    expert_row_dot,
+    group_sums_shape,
+    prescale,
+    prescaled_shape,
+    vector_scratch,
+)
+from pipeline.models.moe_kernels import _check, _weight_of, code_dtype, weight_shapes
 
 __all__ = ["moe_grouped_down", "moe_grouped_gate_up", "moe_sort"]
 
@@ -56,6 +63,55 @@ def moe_sort(experts: int, top_k: int, name: str = "moe_sort") -> tirx.PrimFunc:
     return _finish(sort, name, "reduction")
 
 
+def gate_up_kernel(body, E: int, M: int, H: int, K: int, dtype: str, fmt: str, wshape, sshape, cdtype: str,
+                   scale_dtype: str) -> tirx.PrimFunc:
+    """The grouped gate_up's signature (x, offsets, order, codes[, scales], out) around `body`, a macro
+    (x, offsets, order, codes, scales or None, out, seq_len): shared by the CPU and GPU (moe_grouped_gpu) forms."""
+    if fmt == "float":
+        @T.prim_func
+        def kernel(x_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
+                   codes: T.Buffer(wshape, cdtype), out_h: T.handle):
+            seq_len = T.int64()
+            x = T.match_buffer(x_h, (seq_len, H), dtype)
+            order = T.match_buffer(order_h, (seq_len * K,), "int32")
+            out = T.match_buffer(out_h, (seq_len, K, M), dtype)
+            body(x, offsets, order, codes, None, out, seq_len)
+    else:
+        @T.prim_func
+        def kernel(x_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
+                   codes: T.Buffer(wshape, cdtype), scales: T.Buffer(sshape, scale_dtype), out_h: T.handle):
+            seq_len = T.int64()
+            x = T.match_buffer(x_h, (seq_len, H), dtype)
+            order = T.match_buffer(order_h, (seq_len * K,), "int32")
+            out = T.match_buffer(out_h, (seq_len, K, M), dtype)
+            body(x, offsets, order, codes, scales, out, seq_len)
+    return kernel
+
+
+def down_kernel(body, E: int, H: int, M: int, K: int, dtype: str, fmt: str, wshape, sshape, cdtype: str,
+                scale_dtype: str) -> tirx.PrimFunc:
+    """The grouped down projection's signature (h, offsets, order, codes[, scales], out) around `body`."""
+    if fmt == "float":
+        @T.prim_func
+        def kernel(h_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
+                   codes: T.Buffer(wshape, cdtype), out_h: T.handle):
+            seq_len = T.int64()
+            h = T.match_buffer(h_h, (seq_len, K, M), dtype)
+            order = T.match_buffer(order_h, (seq_len * K,), "int32")
+            out = T.match_buffer(out_h, (seq_len, K, H), "float32")
+            body(h, offsets, order, codes, None, out, seq_len)
+    else:
+        @T.prim_func
+        def kernel(h_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
+                   codes: T.Buffer(wshape, cdtype), scales: T.Buffer(sshape, scale_dtype), out_h: T.handle):
+            seq_len = T.int64()
+            h = T.match_buffer(h_h, (seq_len, K, M), dtype)
+            order = T.match_buffer(order_h, (seq_len * K,), "int32")
+            out = T.match_buffer(out_h, (seq_len, K, H), "float32")
+            body(h, offsets, order, codes, scales, out, seq_len)
+    return kernel
+
+
 def moe_grouped_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, fmt: str = "float",
                         weight_dtype: str = "float32", *, scale_dtype: str = "float16",
                         name: str = "moe_grouped_gate_up") -> tirx.PrimFunc:
@@ -65,43 +121,28 @@ def moe_grouped_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype
     wshape, sshape = weight_shapes(fmt, E, 2 * M, H)
     cdtype = code_dtype(fmt, weight_dtype)
 
+    dot = expert_row_dot(fmt, H, 2, _weight_of(fmt))
+    (vshape, vdtype), (lshape, ldtype) = vector_scratch(2)
+
+    pre = prescale(fmt, H, lambda row: (row,))
+
     @T.macro
-    def body(x, offsets, order, codes, scales, out):
+    def body(x, offsets, order, codes, scales, out, seq_len):
+        xp = T.alloc_buffer(prescaled_shape(fmt, seq_len, H), "float32")
+        xs = T.alloc_buffer(group_sums_shape(fmt, seq_len, H), "float32")
+        pre(xp, xs, x, seq_len)
         for er in T.parallel(E * M):
-            e = er // M
-            r = er % M
-            g = T.alloc_local((1,), "float32")
-            u = T.alloc_local((1,), "float32")
+            e: T.let[T.int32] = er // M
+            res = T.alloc_buffer((2,), "float32")
+            vec = T.alloc_buffer(vshape, vdtype)
+            lanes = T.alloc_buffer(lshape, ldtype)
             for s in range(offsets[e + 1] - offsets[e]):
-                slot = order[offsets[e] + s]
-                g[0] = T.float32(0)
-                u[0] = T.float32(0)
-                for kk in range(H):
-                    xv = T.Cast("float32", x[slot // K, kk])
-                    g[0] = g[0] + xv * _weight(fmt, codes, scales, e, r, kk)
-                    u[0] = u[0] + xv * _weight(fmt, codes, scales, e, M + r, kk)
-                out[slot // K, slot % K, r] = T.Cast(dtype, g[0] / (T.float32(1) + T.exp(-g[0])) * u[0])
+                slot: T.let[T.int32] = order[offsets[e] + s]
+                dot(res, vec, lanes, x, (slot // K,), xp, xs, (slot // K,), codes, scales, e, er % M, M)
+                out[slot // K, slot % K, er % M] = T.Cast(dtype, res[0] / (T.float32(1) + T.exp(-res[0])) * res[1])
 
-    if fmt == "float":
-        @T.prim_func
-        def kernel(x_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
-                   codes: T.Buffer(wshape, cdtype), out_h: T.handle):
-            seq_len = T.int64()
-            x = T.match_buffer(x_h, (seq_len, H), dtype)
-            order = T.match_buffer(order_h, (seq_len * K,), "int32")
-            out = T.match_buffer(out_h, (seq_len, K, M), dtype)
-            body(x, offsets, order, codes, None, out)
-    else:
-        @T.prim_func
-        def kernel(x_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
-                   codes: T.Buffer(wshape, cdtype), scales: T.Buffer(sshape, scale_dtype), out_h: T.handle):
-            seq_len = T.int64()
-            x = T.match_buffer(x_h, (seq_len, H), dtype)
-            order = T.match_buffer(order_h, (seq_len * K,), "int32")
-            out = T.match_buffer(out_h, (seq_len, K, M), dtype)
-            body(x, offsets, order, codes, scales, out)
-
-    return _finish(kernel, name, "moe-gemv")
+    return _finish(gate_up_kernel(body, E, M, H, K, dtype, fmt, wshape, sshape, cdtype, scale_dtype), name,
+                   "moe-gemv")
 
 
 def moe_grouped_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt: str = "float",
@@ -113,37 +154,24 @@ def moe_grouped_down(experts: int, hidden: int, inter: int, top_k: int, dtype: s
     wshape, sshape = weight_shapes(fmt, E, H, M)
     cdtype = code_dtype(fmt, weight_dtype)
 
+    dot = expert_row_dot(fmt, M, 1, _weight_of(fmt))
+    (vshape, vdtype), (lshape, ldtype) = vector_scratch(1)
+
+    pre = prescale(fmt, M, lambda row: (row // K, row % K))
+
     @T.macro
-    def body(h, offsets, order, codes, scales, out):
+    def body(h, offsets, order, codes, scales, out, seq_len):
+        xp = T.alloc_buffer(prescaled_shape(fmt, seq_len * K, M), "float32")
+        xs = T.alloc_buffer(group_sums_shape(fmt, seq_len * K, M), "float32")
+        pre(xp, xs, h, seq_len * K)
         for er in T.parallel(E * H):
-            e = er // H
-            r = er % H
-            dot = T.alloc_local((1,), "float32")
+            e: T.let[T.int32] = er // H
+            res = T.alloc_buffer((1,), "float32")
+            vec = T.alloc_buffer(vshape, vdtype)
+            lanes = T.alloc_buffer(lshape, ldtype)
             for s in range(offsets[e + 1] - offsets[e]):
-                slot = order[offsets[e] + s]
-                dot[0] = T.float32(0)
-                for kk in range(M):
-                    dot[0] = dot[0] + T.Cast("float32", h[slot // K, slot % K, kk]) * _weight(
-                        fmt, codes, scales, e, r, kk)
-                out[slot // K, slot % K, r] = dot[0]
+                slot: T.let[T.int32] = order[offsets[e] + s]
+                dot(res, vec, lanes, h, (slot // K, slot % K), xp, xs, (slot,), codes, scales, e, er % H, 0)
+                out[slot // K, slot % K, er % H] = res[0]
 
-    if fmt == "float":
-        @T.prim_func
-        def kernel(h_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
-                   codes: T.Buffer(wshape, cdtype), out_h: T.handle):
-            seq_len = T.int64()
-            h = T.match_buffer(h_h, (seq_len, K, M), dtype)
-            order = T.match_buffer(order_h, (seq_len * K,), "int32")
-            out = T.match_buffer(out_h, (seq_len, K, H), "float32")
-            body(h, offsets, order, codes, None, out)
-    else:
-        @T.prim_func
-        def kernel(h_h: T.handle, offsets: T.Buffer((E + 1,), "int32"), order_h: T.handle,
-                   codes: T.Buffer(wshape, cdtype), scales: T.Buffer(sshape, scale_dtype), out_h: T.handle):
-            seq_len = T.int64()
-            h = T.match_buffer(h_h, (seq_len, K, M), dtype)
-            order = T.match_buffer(order_h, (seq_len * K,), "int32")
-            out = T.match_buffer(out_h, (seq_len, K, H), "float32")
-            body(h, offsets, order, codes, scales, out)
-
-    return _finish(kernel, name, "moe-gemv")
+    return _finish(down_kernel(body, E, H, M, K, dtype, fmt, wshape, sshape, cdtype, scale_dtype), name, "moe-gemv")

@@ -16,12 +16,12 @@ else (no E masked GEMVs, no gather copy of the weights)::
     moe_down:      h [n, k, I], idx [n, k], weight [n, k], W_d [E, H, I]  ->  y [n, H]
                    = sum_j weight[t, j] * h[t, j] W_d[idx[t, j]]^T  (the weighted sum fused in)
 
-One work item per output element, a serial fp32 dot product over K; the token count n (`seq_len`) is symbolic, so the
-same kernels serve decode (n = 1) and prefill, where each token gathers its own k experts (no grouping of
-tokens by expert yet: a prefill of n tokens reads n * k expert matrices, not each used expert once).
-``gpu=True`` binds the work items to blockIdx / threadIdx and marks the function scheduled (dlight leaves it
-alone); else the outer loop is ``parallel`` for LLVM. Not tuned: a GPU work item reads its own weight row,
-so neighbouring threads do not coalesce, and the CPU dot products are scalar.
+The token count n (`seq_len`) is symbolic, so the same kernels serve decode (n = 1) and GPU prefill, where
+each token gathers its own k experts (CPU prefill groups tokens by expert: moe_grouped.py). ``gpu=True``:
+one work item per output element, a serial fp32 dot product over K, bound to blockIdx / threadIdx and
+marked scheduled (dlight leaves it alone; a GPU work item reads its own weight row, so neighbouring threads
+do not coalesce). Else a ``parallel`` loop over work items of ROWS_PER_ITEM output rows, each dot product
+vectorised (kernels/cpu/expert_rows.py: LANES weights per step, x prescaled once per call).
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from pipeline.formats import CODES_PER_WORD, FORMATS, GROUP, PACKINGS, SIGN_GROUP, ZERO, n_groups, packed_len
+from pipeline.kernels.cpu.expert_rows import (
+    expert_row_dot,
+    group_sums_shape,
+    prescale,
+    prescaled_shape,
+    vector_scratch,
+)
 from pipeline.models.layers import sign_code
 
 __all__ = ["moe_down", "moe_gate_up", "moe_reference", "moe_route"]
@@ -70,6 +77,19 @@ def _weight(fmt: str, codes, scales, e, r, kk):
     word = codes[e, r, kk // CODES_PER_WORD]
     code = T.bitwise_and(T.shift_right(word, T.Cast("uint32", kk % CODES_PER_WORD * 4)), T.uint32(0xF))
     return (T.Cast("float32", code) - T.float32(ZERO)) * T.Cast("float32", scales[e, r, kk // GROUP])
+
+
+ROWS_PER_ITEM = 2   # CPU: output rows per work item (gate_up: their gate and up rows, 4 rows walked side by side)
+
+
+def _rows_per_item(n: int) -> int:
+    """ROWS_PER_ITEM when it divides the output rows n, else 1."""
+    return ROWS_PER_ITEM if n % ROWS_PER_ITEM == 0 else 1
+
+
+def _weight_of(fmt: str):
+    """`_weight` for one format, as the vectorised CPU dot's scalar reader (kernels/cpu/expert_rows.py)."""
+    return lambda codes, scales, e, r, kk: _weight(fmt, codes, scales, e, r, kk)
 
 
 def weight_shapes(fmt: str, experts: int, rows: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -158,8 +178,29 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
     cdtype = code_dtype(fmt, weight_dtype)
     outer, inner, threads = _loops(gpu, max_threads)
 
+    per = _rows_per_item(M)      # output rows per work item: per gate rows and their up rows, one x load
+    dot = expert_row_dot(fmt, H, 2 * per, _weight_of(fmt), pair=2)
+    (vshape, vdtype), (lshape, ldtype) = vector_scratch(2 * per)
+    pre = prescale(fmt, H, lambda row: (row,))
+
     @T.macro
-    def body(x, idx, codes, scales, out, seq_len):
+    def cpu_body(x, idx, codes, scales, out, seq_len):
+        xp = T.alloc_buffer(prescaled_shape(fmt, seq_len, H), "float32")
+        xs = T.alloc_buffer(group_sums_shape(fmt, seq_len, H), "float32")
+        pre(xp, xs, x, seq_len)
+        for item in T.parallel(seq_len * K * (M // per)):
+            t: T.let[T.int64] = item // (K * (M // per))
+            j: T.let[T.int64] = item // (M // per) % K
+            r: T.let[T.int64] = item % (M // per) * per
+            res = T.alloc_buffer((2 * per,), "float32")
+            vec = T.alloc_buffer(vshape, vdtype)
+            lanes = T.alloc_buffer(lshape, ldtype)
+            dot(res, vec, lanes, x, (t,), xp, xs, (t,), codes, scales, idx[t, j], r, M)
+            for i in T.unroll(per):
+                out[t, j, r + i] = T.Cast(dtype, res[2 * i] / (T.float32(1) + T.exp(-res[2 * i])) * res[2 * i + 1])
+
+    @T.macro
+    def gpu_body(x, idx, codes, scales, out, seq_len):
         for wb in outer((seq_len * K * M + threads - 1) // threads):
             for tx in inner(threads):
                 if wb * threads + tx < seq_len * K * M:
@@ -176,6 +217,7 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
                         u[0] = u[0] + T.Cast("float32", x[t, kk]) * _weight(fmt, codes, scales, e, M + r, kk)
                     out[t, j, r] = T.Cast(dtype, g[0] / (T.float32(1) + T.exp(-g[0])) * u[0])
 
+    body = gpu_body if gpu else cpu_body
     if fmt == "float":
         @T.prim_func
         def kernel(x_h: T.handle, idx_h: T.handle, codes: T.Buffer(wshape, cdtype), out_h: T.handle):
@@ -208,8 +250,34 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
     cdtype = code_dtype(fmt, weight_dtype)
     outer, inner, threads = _loops(gpu, max_threads)
 
+    per = _rows_per_item(H)      # output rows per work item (consecutive rows: one load of h per 8 weights)
+    dot = expert_row_dot(fmt, M, per, _weight_of(fmt), pair=1)
+    (vshape, vdtype), (lshape, ldtype) = vector_scratch(per)
+    pre = prescale(fmt, M, lambda row: (row // K, row % K))
+
     @T.macro
-    def body(h, idx, w, codes, scales, out, seq_len):
+    def cpu_body(h, idx, w, codes, scales, out, seq_len):
+        xp = T.alloc_buffer(prescaled_shape(fmt, seq_len * K, M), "float32")
+        xs = T.alloc_buffer(group_sums_shape(fmt, seq_len * K, M), "float32")
+        pre(xp, xs, h, seq_len * K)
+        for item in T.parallel(seq_len * (H // per)):
+            t: T.let[T.int64] = item // (H // per)
+            r: T.let[T.int64] = item % (H // per) * per
+            acc = T.alloc_buffer((per,), "float32")
+            res = T.alloc_buffer((per,), "float32")
+            vec = T.alloc_buffer(vshape, vdtype)
+            lanes = T.alloc_buffer(lshape, ldtype)
+            for i in T.unroll(per):
+                acc[i] = T.float32(0)
+            for j in range(K):
+                dot(res, vec, lanes, h, (t, j), xp, xs, (t * K + j,), codes, scales, idx[t, j], r, 0)
+                for i in T.unroll(per):
+                    acc[i] = acc[i] + w[t, j] * res[i]
+            for i in T.unroll(per):
+                out[t, r + i] = T.Cast(dtype, acc[i])
+
+    @T.macro
+    def gpu_body(h, idx, w, codes, scales, out, seq_len):
         for wb in outer((seq_len * H + threads - 1) // threads):
             for tx in inner(threads):
                 if wb * threads + tx < seq_len * H:
@@ -226,6 +294,7 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
                         acc[0] = acc[0] + w[t, j] * dot[0]
                     out[t, r] = T.Cast(dtype, acc[0])
 
+    body = gpu_body if gpu else cpu_body
     if fmt == "float":
         @T.prim_func
         def kernel(h_h: T.handle, idx_h: T.handle, w_h: T.handle, codes: T.Buffer(wshape, cdtype), out_h: T.handle):

@@ -101,6 +101,13 @@ _EXPERT_CKPT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 # the routed experts rounded, top-1 agreement with fp32 over 512 teacher-forced positions (docs/moe.md;
 # tests/test_moe.py::test_routed_experts_tolerate_lower_bits asserts these numbers):
 EXPERT_FLOORS = ("q4", "t3", "b1")
+# Upgrades (the spending of memory left over after the plan fits) may cost at most 10% of the predicted decode
+# speed of the plan they start from: an upgrade that buys a little quality with a lot of bytes read per token
+# is not what a phone wants. The 35B MoE on the 16 GB phone spent its leftover 3 GB on float GDN / attention
+# / shared expert (PREDICTION 11.1 tok/s against 28.1 with the same t3 experts and the rest q4); on the 24 GB
+# phone its q8 upgrades cost 9% (25.6 -> 23.3) and stay. The embedding is a gather (never read whole): its
+# upgrades cost no speed. docs/quantization.md.
+SPEED_KEEP = 0.9
 TOY_EXPERT_TOP1 = {"q8": 1.0, "q4": 0.977, "t3": 0.855, "b1": 0.828}
 
 
@@ -213,10 +220,11 @@ def _output_errors(w: Any, layer: Any) -> tuple[dict[str, float], float]:
 
 def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str = "float16",
               prefill_chunk: int = 512, ckpt: Any = None, model_name: str = "model",
-              calibration: Any = None, min_format: str = "b1") -> dict:
+              calibration: Any = None, min_format: str = "b1", speed_keep: float | None = SPEED_KEEP) -> dict:
     """The chosen formats and the memory plan they give; ConfigError when nothing from `min_format` (b1, t3
     or q4) up fits. `calibration` (calibrate.Calibration of `ckpt`): eps as calibrated output error (module
-    docstring)."""
+    docstring). `speed_keep`: upgrades keep the predicted decode speed at least this share of the plan's
+    before them (SPEED_KEEP; None: memory is the only limit)."""
     if not phone or not phone.get("app_budget_gb"):
         raise ConfigError("QUANT=auto needs the phone's app memory budget", path=None,
                           fix="give the target a phone: {ram_gb, app_budget_gb, bandwidth_gbs} or pass --phone")
@@ -289,6 +297,8 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
                                 + (", or allow lower formats (auto_min_format: b1)" if min_format != "b1" else "")))
         total, plan = _downgrade_until_fits(formats, roles, cost, budget, evaluate, steps, (total, plan),
                                             floor={r: LADDER.index(lowest(r)) for r in roles})
+    floor_speed = _decode_speed(plan)
+    min_speed = speed_keep * floor_speed if speed_keep and floor_speed else 0.0
     while True:
         best = None
         for r in roles:
@@ -298,6 +308,8 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
             trial = {**formats, r: LADDER[i + 1]}
             t_total, t_plan = evaluate(trial)
             gain = cost[r][formats[r]] - cost[r][LADDER[i + 1]]
+            if min_speed and _decode_speed(t_plan) < min_speed:
+                continue          # the speed this upgrade would cost is over what upgrades may spend
             if t_total <= budget and t_total > total and (best is None or gain / (t_total - total) > best[0]):
                 best = (gain / (t_total - total), r, LADDER[i + 1], t_total, t_plan)
         if best is None:
@@ -316,7 +328,13 @@ def plan_auto(hf_config: dict, *, phone: dict, context: int, compute_dtype: str 
             "role_floor": {r: lowest(r) for r in floors}, "moe": plan.get("moe"),
             "role_kl_q4_rtn": kl, "cost": cost,
             "weighted_error": error, "weighted_error_all_q4": q4_error,
-            "weights_bytes": plan["weights_total"]["bytes"], "plan": plan}
+            "weights_bytes": plan["weights_total"]["bytes"], "plan": plan,
+            "speed_keep": speed_keep if min_speed else None, "decode_tok_s_before_upgrades": floor_speed}
+
+
+def _decode_speed(plan: dict) -> float | None:
+    """The plan's PREDICTION of decode tok/s at its context (None without the phone's bandwidth)."""
+    return plan["contexts"][0].get("predicted_decode_tok_s")
 
 
 def _phone_name(phone: dict) -> str:
@@ -380,6 +398,10 @@ def auto_markdown(result: dict) -> str:
               f"PREDICTION: decode {ctx['predicted_decode_tok_s']:.2f} tok/s "
               f"(model: {plan['sustained_bandwidth_share']:.0%} of {p.get('bandwidth_gbs')} GB/s peak / "
               f"{ctx['decode_bytes_per_token'] / 1e9:.2f} GB read per token = weights read + KV + 2 x state)."]
+    if result.get("speed_keep"):
+        lines += ["", f"Upgrades above the fitting plan kept at least {result['speed_keep']:.0%} of its predicted decode "
+                  f"speed ({result['decode_tok_s_before_upgrades']:.2f} tok/s): more bytes read per token for a "
+                  "little less error is not spent on a phone (auto_plan.SPEED_KEEP)."]
     moe = result.get("moe")
     if moe:
         lines += ["", f"Mixture of experts: the routed experts are weighted by their active parameters ({moe['top_k']} "

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import WeightsError
-from pipeline.formats import CODES_PER_WORD, GROUP
+from pipeline.formats import CODES_PER_WORD, GROUP, T3_INTERLEAVE
+from pipeline.frontend.validate import text_tensor_names
 from pipeline.quant import ternary as tern
 from pipeline.quant.experts import expert_sources, with_stacked_experts
 from pipeline.quant.gptq import output_error, quantize_rows
@@ -83,6 +84,32 @@ def _source_names(ckpt: Any, param: str, tied: bool) -> list[str]:
         raise WeightsError(f"tensor {missing[0]!r} (needed for {param}) is not in the checkpoint",
                            path=ckpt.path, fix="check that the weights belong to this model config")
     return names
+
+
+# Checkpoint tensors no parameter reads by design: RoPE's inverse frequencies are recomputed from the config.
+RECOMPUTED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def unread_tensors(ckpt: Any, params: list[tuple[str, Any]], layout: str, tied: bool) -> list[str]:
+    """The checkpoint's text-model tensors that no parameter of `params` is converted from. A config that
+    names the wrong family or leaves out a field (a bias, a norm) builds a bundle that silently drops them and
+    computes another model; the caller refuses that. Names only: no tensor data is read."""
+    view = with_stacked_experts(ckpt)
+    parts = _split_parts(params, layout)
+    read: set[str] = set()
+    for name, p in params:
+        whole = parts[name][0] if name in parts else name
+        experts = int((getattr(p, "attrs", None) or {}).get("experts") or 0)
+        sources = expert_sources(whole, experts) if experts else hf_sources(whole)[0]
+        if tied and sources == ["lm_head.weight"]:
+            sources = ["model.embed_tokens.weight"]
+        read.update(checkpoint_name(view, n) for n in sources)
+    stacked = getattr(view, "stacked_name", None)
+    if stacked is not None:   # a per-expert name read through StackedView reads its stacked tensor
+        read.update(stacked(n) for n in list(read))
+    allowed = {"lm_head.weight"} if tied else set()   # some tied checkpoints also store the (equal) head
+    return [n for n in text_tensor_names(ckpt)
+            if n not in read and n not in allowed and not n.endswith(RECOMPUTED_SUFFIXES)]
 
 
 def _load_source(ckpt: Any, param: str, tied: bool) -> np.ndarray:
@@ -281,7 +308,8 @@ def _convert_ternary(ckpt: Any, name: str, names: list[str], layout: str, shapes
     nk = layout == "NK"
     cols, groups = tern.packed_len(fmt, k), tern.n_groups(k)
     packed_shape, scale_shape = ((n, cols), (n, groups)) if nk else ((cols, n), (groups, n))
-    tile = int(attrs.get("t2_tile", 0)) if fmt == "t2" else 0   # quantize.tile_kn (NK: of the rows), the layer's choice
+    # quantize.tile_kn (NK: of the rows), the layer's choice
+    tile = int(attrs.get("t2_tile" if fmt == "t2" else T3_INTERLEAVE, 0)) if fmt in ("t2", "t3") else 0
     mine = packed_shape if name.endswith(".q_weight") else scale_shape
     if tile:
         mine = (n // tile, cols, tile) if name.endswith(".q_weight") else (n // tile, groups, tile)

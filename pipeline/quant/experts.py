@@ -59,6 +59,10 @@ class StackedView:
     def names(self) -> list[str]:
         return [*self._ckpt.names(), *self._virtual]
 
+    def stacked_name(self, name: str) -> str:
+        """The checkpoint tensor a (possibly virtual per-expert) name is read from."""
+        return self._virtual[name][0] if name in self._virtual else name
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._virtual:
             return self._ckpt.shape(name)

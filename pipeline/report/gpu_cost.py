@@ -15,6 +15,9 @@ caches and compute, so it is a floor for what a kernel can reach, not a forecast
 by the batch (the paged KV cache's attention) are shown for one sequence (DECODE_SIZES); the work-groups of a
 kernel of several launches are the fewest of its launches, or the streaming launch's when its plan names them
 (the split-KV attention: its merge launch moves a few KB). Barriers per launch come from our kernels' plans.
+A kernel whose work-groups re-read their inputs (our RMSNorms: every work-group of a row reads the whole row,
+kernels/gpu/norm_rows.py) has those bytes in its plan (`reread_bytes`, at one token); the prediction charges
+them on top of the decode bytes, at the same bandwidth (no cache).
 """
 
 from __future__ import annotations
@@ -84,10 +87,13 @@ def annotate_gpu_cost(report: dict[str, Any], mod: Any, target: Any) -> None:
             cost["load_bytes"] = int(plan["load_bytes"])
         if plan is not None and "barriers" in plan:
             cost["barriers"] = str(plan["barriers"])
+        reread = int(plan["reread_bytes"]) if plan is not None and "reread_bytes" in plan else 0
+        if reread:
+            cost["reread_bytes"] = reread
         d = row["decode_step"]
         if bandwidth and shape and d.get("bytes_per_call") and d["calls"]:
             groups = int(plan["work_groups"]) if plan is not None and "streaming" in plan else min(g for g, _ in shape)
-            us = d["bytes_per_call"] / (bandwidth * 1e3 * min(1.0, groups / FILL_GROUPS))
+            us = (d["bytes_per_call"] + reread) / (bandwidth * 1e3 * min(1.0, groups / FILL_GROUPS))
             cost["predicted_us_per_call"] = round(us, 2)
             total_us += us * d["calls"]
             covered += 1
@@ -117,6 +123,9 @@ def gpu_cost_lines(report: dict[str, Any], fmt_bytes) -> list[str]:
             continue
         shape = "; ".join(f"{g} x {i}" for g, i in cost["launches"]) if cost["launches"] else "symbolic"
         loads = f"{cost['loads_per_work_item']} x {cost['load_bytes']} B" if "loads_per_work_item" in cost else "-"
-        lines.append(f"| `{r['name']}` | {r['rule']} | {fmt_bytes(r['decode_step']['bytes_per_call'])} | {shape} "
+        moved = fmt_bytes(r['decode_step']['bytes_per_call'])
+        if cost.get("reread_bytes"):
+            moved += f" + {fmt_bytes(cost['reread_bytes'])} re-read"
+        lines.append(f"| `{r['name']}` | {r['rule']} | {moved} | {shape} "
                      f"| {loads} | {cost.get('barriers', '-')} | {cost.get('predicted_us_per_call', '-')} |")
     return lines

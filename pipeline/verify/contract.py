@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RuntimeSpec, load_runtime
+from pipeline.config import GPU_SAMPLER_KINDS, RuntimeSpec, load_runtime
 
 LIBRARY_SYMBOL = "{prefix}__tvm_ffi__library_bin"   # the system-lib blob every model library defines
 _TYPE = re.compile(r"^(?P<dtype>\w+)\[(?P<dims>[^\]]*)\]$")
@@ -86,9 +86,6 @@ def _check_kv_fields(abi: dict[str, Any], spec: RuntimeSpec, result: CheckResult
         result.violations.append(
             f"KV cache: the library passes {have} config fields to vm.builtin.paged_attention_kv_cache_create, "
             f"runtime {spec.name} takes {spec.kv_cache_config_fields} (rebuild with --runtime {spec.name})")
-
-
-GPU_SAMPLER_KINDS = ("cuda", "vulkan", "metal")   # where MLC's engine samples on the device (Sampler::SupportGPUSampler)
 
 
 def _applies(entry: dict[str, Any], meta: dict[str, Any], kind: str) -> bool:

@@ -53,6 +53,11 @@ TOLERANCE = 1e-4          # of the output's largest magnitude
 HVX_FP16_TOLERANCE = 8 * 2.0 ** -10   # fp16 outputs (HVX qf16 rounds differently from LLVM's x86 fp16 code)
 INT8_ACTIVATION_TOLERANCE = 2e-2      # matmuls that quantize activations to int8 per 32 (kernels/npu/hvx_*.py)
 SEQ_LEN = 5               # the symbolic seq_len of prefill kernels
+# symbolic sizes given test values: a prompt's tokens, the batch of sequences of the engine's batch functions
+# (`take` of each sequence's last hidden state) and of its logit kernels; integer inputs are in range of SEQ_LEN
+# and distinct (small_ints)
+TEST_SIZES = {"seq_len": SEQ_LEN, "n": SEQ_LEN, "batch_size": SEQ_LEN, "batch": SEQ_LEN, "num_seq": SEQ_LEN,
+              "num_token": SEQ_LEN}
 MAX_ARG_BYTES = 256 * 2**20   # bigger kernels (a 27B model's vocab GEMV) are only compiled: RAM and time
 AUTO_VERIFY_MAX_BYTES = 2**30   # bigger models verify only with --verify (minutes, GBs of random inputs)
 MAX_RESTARTS = 8              # child processes per build (each crash costs one kernel's verdict)
@@ -169,7 +174,10 @@ def twin_module(loaded: Any, quant: Any, target: Any):
 # Kernels the model emits already bound to GPU threads (`tirx.is_scheduled`; models/gdn_kernels.py): LLVM cannot
 # build them, so their reference is the CPU variant of the same name that the model emits for an LLVM target.
 # Each with the parameters it writes, of (q, k, v, g, beta, state_in, o, state_out).
-GPU_BOUND_LIBRARY = {"gdn_decode": (6, 7), "gdn_prefill": (6, 7)}
+GPU_BOUND_LIBRARY = {"gdn_decode": (6, 7), "gdn_prefill": (6, 7),
+                     # the engine's logit kernels (models/engine_table.py), in place on the logits
+                     "logit_bias_kernel": (0,), "penalty_kernel": (0,), "bitmask_kernel": (0,)}
+GATED_DELTA = ("gdn_decode", "gdn_prefill")   # their inputs made as the model feeds them (gated_delta_inputs)
 
 
 def reference_module(loaded: Any, quant: Any):
@@ -251,13 +259,13 @@ def run_kernel(name: str, func: Any, target: Any, rules: tuple[str, ...], refere
     """One kernel: scheduled by the target's rules, run on PoCL, compared with LLVM (itself unscheduled, or
     `reference`, the CPU variant of a kernel bound to GPU threads already); the verdict."""
     bound = func.attrs is not None and func.attrs.get("tirx.is_scheduled")
-    ours = add_norm.cpu_variant(func) if bound else None   # our fused add + RMSNorm: its LLVM variant
+    ours = add_norm.cpu_variant(func) if bound else None   # our RMSNorm kernels: their LLVM variant
     if ours is not None:
         reference = ours
     if bound and reference is None:
         return not_executed("bound to GPU threads, and no CPU variant of it to compare with")
     try:
-        args = random_args(func, np.random.default_rng(0), {"seq_len": SEQ_LEN, "n": SEQ_LEN})
+        args = small_ints(random_args(func, np.random.default_rng(0), TEST_SIZES), SEQ_LEN)
     except KeyError as err:
         return not_executed(f"symbolic size {err.args[0]} has no test value here")
     size = sum(a.nbytes for a in args)
@@ -265,11 +273,12 @@ def run_kernel(name: str, func: Any, target: Any, rules: tuple[str, ...], refere
         return not_executed(f"too large to run here ({size / 2**20:.0f} MiB of arguments)")
     if ours is not None:
         return _compare(name, func, reference, args, target, rules, "fp32 twin, its LLVM variant the reference",
-                        outputs=list(add_norm.OUTPUTS), what="LLVM")
+                        outputs=add_norm.outputs(func), what="LLVM")
     if bound:
         if name not in GPU_BOUND_LIBRARY:
             return not_executed("bound to GPU threads, with no known outputs to compare")
-        return _compare(name, func, reference, gated_delta_inputs(args), target, rules,
+        args = gated_delta_inputs(args) if name in GATED_DELTA else args
+        return _compare(name, func, reference, args, target, rules,
                         "fp32 twin, its CPU variant the reference", outputs=list(GPU_BOUND_LIBRARY[name]),
                         what="LLVM")
     return _compare(name, func, func, args, target, rules, "fp32 twin", outputs=[len(args) - 1])

@@ -73,6 +73,41 @@ def _check(spec: PackedFormat, n: int, k: int) -> None:
     assert k % (64 if spec.bits <= 2 else spec.group) == 0, (spec, k)
 
 
+def quantize_row_macro(group: int, k: int, x_bytes: int, offset: int, position):
+    """A TIR macro quantize_row(x, xq, d, base, r): row r of x in integer steps of its blocks of `group` values
+    (the last one may be shorter), value j of block g stored at xq[r, b, position(g, j)] (a kernel's own
+    layout; two bytes: b = 0 the high bytes, 1 the low), each block's step d[r, g] and its offset term
+    base[r, 4 g .. 4 g + 3] = [-offset * sum(q), 0, 0, 0]. One rounding for every sdot kernel of this module
+    and arm_t3.py."""
+    groups = -(-k // group)
+    q_max = Q_MAX[x_bytes]
+
+    @T.macro
+    def quantize_row(x, xq, d, base, r):
+        for g in range(groups):
+            amax = T.alloc_buffer((1,), "float32")
+            total = T.alloc_buffer((1,), "int32")
+            amax[0] = T.float32(0)
+            for j in range(T.min(group, k - g * group)):
+                amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", x[0, r, g * group + j])))
+            d[r, g] = amax[0] * T.float32(1.0 / q_max)
+            total[0] = 0
+            for j in range(T.min(group, k - g * group)):
+                q: T.let[T.int32] = T.Cast("int32", T.round(T.Cast("float32", x[0, r, g * group + j]) * T.if_then_else(
+                    amax[0] > T.float32(0), T.float32(q_max) / amax[0], T.float32(0))))
+                if x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
+                    xq[r, 0, position(g, j)] = T.Cast("int8", T.shift_right(q + 128, 8))
+                    xq[r, 1, position(g, j)] = T.Cast("int8", q - T.shift_right(q + 128, 8) * 256)
+                else:
+                    xq[r, 0, position(g, j)] = T.Cast("int8", q)
+                total[0] = total[0] + q
+            base[r, g * 4] = total[0] * -offset
+            for j in range(1, 4):
+                base[r, g * 4 + j] = 0
+
+    return quantize_row
+
+
 def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scale_dtype: str = "float16",
                   prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
     """out[1, m, n] = x[1, m, k] @ dequantize(codes [n, k / codes], scales [n, groups]) for NK `spec` codes,
@@ -80,7 +115,6 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
     int8, 2: q = 256 hi + lo, two sdot's per code vector)."""
     _check(spec, n, k)
     assert x_bytes in (1, 2), x_bytes
-    q_max = Q_MAX[x_bytes]
     group, codes, bits = spec.group, spec.codes, spec.bits
     groups = -(-k // group)
     words = k // codes
@@ -120,30 +154,7 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
         shifted = T.reinterpret("int8x16", T.shift_right(T.reinterpret("uint8x16", v), T.Broadcast(T.uint8(bits * f), 16)))
         return shifted if f == fields - 1 else T.bitwise_and(shifted, T.Broadcast(T.int8(mask), 16))
 
-    @T.macro
-    def quantize_row(x, xq, d, base, r):
-        """Row r of x in integer steps of its blocks (laid out by `dot_layout`; two bytes: xq[r, 0] the high
-        bytes, xq[r, 1] the low), each block's step d and its offset term base = [-offset * sum(q), 0, 0, 0]."""
-        for g in range(groups):
-            amax = T.alloc_buffer((1,), "float32")
-            total = T.alloc_buffer((1,), "int32")
-            amax[0] = T.float32(0)
-            for j in range(T.min(group, k - g * group)):
-                amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", x[0, r, g * group + j])))
-            d[r, g] = amax[0] * T.float32(1.0 / q_max)
-            total[0] = 0
-            for j in range(T.min(group, k - g * group)):
-                q: T.let[T.int32] = T.Cast("int32", T.round(T.Cast("float32", x[0, r, g * group + j]) * T.if_then_else(
-                    amax[0] > T.float32(0), T.float32(q_max) / amax[0], T.float32(0))))
-                if x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
-                    xq[r, 0, g * group + dot_layout(spec, j)] = T.Cast("int8", T.shift_right(q + 128, 8))
-                    xq[r, 1, g * group + dot_layout(spec, j)] = T.Cast("int8", q - T.shift_right(q + 128, 8) * 256)
-                else:
-                    xq[r, 0, g * group + dot_layout(spec, j)] = T.Cast("int8", q)
-                total[0] = total[0] + q
-            base[r, g * 4] = total[0] * -spec.offset
-            for j in range(1, 4):
-                base[r, g * 4 + j] = 0
+    quantize_row = quantize_row_macro(group, k, x_bytes, spec.offset, lambda g, j: g * group + dot_layout(spec, j))
 
     def row_scales(s, row, g):
         """The scales of group g of rows row .. row + 3, one vector (NK: a column of the scale matrix)."""

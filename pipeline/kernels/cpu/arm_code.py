@@ -7,14 +7,14 @@ assumed from the schedule that was asked for.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-OBJDUMP_CANDIDATES = tuple(f"llvm-objdump-{v}" for v in range(21, 13, -1)) + ("llvm-objdump",)
+from pipeline.kernels.objdump import find_objdump
+
 DECODE_ATTRS = "+dotprod,+fullfp16,+i8mm"   # so every extension the kernels may use is decoded
 DOT_MNEMONICS = ("sdot", "udot", "usdot", "smmla", "ummla", "usmmla")
 BYTES_PER_DOT = 16   # byte products of one 128-bit sdot (smmla: 32, counted as two)
@@ -22,11 +22,6 @@ BYTES_PER_DOT = 16   # byte products of one 128-bit sdot (smmla: 32, counted as 
 _SYMBOL = re.compile(r"^[0-9a-f]+ <([^>]+)>:$")
 _INSN = re.compile(r"^\s*([0-9a-f]+):\s+(?:[0-9a-f]{8}|(?:[0-9a-f]{2} ){3}[0-9a-f]{2})\s+(\S+)\s*(.*)$")   # either byte style
 _BRANCH = re.compile(r"^(?:b(?:\.\w+)?|cbn?z|tbn?z)$")
-
-
-def find_objdump() -> str | None:
-    """llvm-objdump (any Debian llvm version), newest first; None when absent."""
-    return next((found for c in OBJDUMP_CANDIDATES if (found := shutil.which(c))), None)
 
 
 def disassemble(obj: Path, objdump: str) -> str:

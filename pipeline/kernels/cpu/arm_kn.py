@@ -127,8 +127,18 @@ def match_q4_kn(func: tirx.PrimFunc) -> tuple[int, int, str, str, bool, tuple[st
     """(N, K, activation dtype, scale dtype, prompt, role of each parameter) when `func` is the fused
     dequantize + matmul of q4 KN codes (codes uint32 [K / 8, N], scales [K / 32, N], x [1, 1 or m, K], out last)
     in fp16 or fp32; None otherwise."""
+    match = match_kn(func, "dequantize_kn", 8, GROUP)
+    if match is None or match[1] % GROUP or match[0] % COLUMNS:
+        return None
+    return match
+
+
+def match_kn(func: tirx.PrimFunc, block: str, per_word: int, group: int) -> tuple[int, int, str, str, bool, tuple[str, ...]] | None:
+    """`match_q4_kn` for the dequantize block `block` of codes `per_word` to a uint32 (rows padded to whole
+    words: [ceil(K / per_word), N]) and one scale per `group` along K ([ceil(K / group), N]); the kernel checks
+    which K and N it takes."""
     found = blocks(func)
-    if [b.name_hint for b in found] != ["dequantize_kn", "matmul"] or len(func.params) != 4:
+    if [b.name_hint for b in found] != [block, "matmul"] or len(func.params) != 4:
         return None
     params = list(func.params)
     out = params[-1]
@@ -160,8 +170,8 @@ def match_q4_kn(func: tirx.PrimFunc) -> tuple[int, int, str, str, bool, tuple[st
     if not all(isinstance(dim, tirx.IntImm) for role in ("codes", "scales") for dim in by_role[role].shape):
         return None
     k = int(by_role["x"].shape[2])
-    if ([int(v) for v in by_role["codes"].shape] != [k // 8, n] or [int(v) for v in by_role["scales"].shape] != [k // GROUP, n]
-            or k % GROUP or n % COLUMNS):
+    if ([int(v) for v in by_role["codes"].shape] != [-(-k // per_word), n]
+            or [int(v) for v in by_role["scales"].shape] != [-(-k // group), n]):
         return None
     return n, k, act, str(by_role["scales"].dtype), prompt, (*roles, "out")
 

@@ -29,10 +29,11 @@ class PackedFormat:
     group: int      # weights per scale along K
     offset: int     # value = (step * code - offset) * scale
     step: int = 1   # b1: a sign bit b stands for 2 b - 1
+    per_word: int = 0   # codes per uint32 when they are no bit fields (t3: 20 in base 3, rows padded to whole words)
 
     @property
     def codes(self) -> int:
-        return 1 if self.bits == 8 else 32 // self.bits
+        return self.per_word or (1 if self.bits == 8 else 32 // self.bits)
 
     @property
     def code_dtype(self) -> str:
@@ -44,12 +45,14 @@ TILED_Q8 = "q8t"   # what `match_packed_kn_gemv` calls q8 codes stored tiled (qu
 TILED_Q4 = "q4t"   # ... and q4 codes and scales stored tiled (quantize.tile_kn); FORMATS["q4"] otherwise
 TILED_T2 = "t2t"   # ... and t2 codes and scales stored tiled the same way
 TILED_PACKED = {TILED_Q4: "q4", TILED_T2: "t2"}
+TILED_T3 = "t3t"   # what `match_packed_nk_gemv` calls NK t3 rows interleaved (targets' t3_interleave; arm_t3.py)
 FORMATS = {"q4": PackedFormat("dequantize_kn", 4, 32, 7), "t2": PackedFormat("dequantize_t2_kn", 2, 128, 1),
            "q8": PackedFormat("dequantize_q8_kn", 8, 32, 0), "b1": PackedFormat("dequantize_b1_kn", 1, 128, 1, 2)}
 # The same formats stored NK (MLC's plain layout: codes [N, K / codes], scales [N, groups]; android-cpu),
 # their TE dequantize blocks named for that layout (models/layers.py).
 NK_FORMATS = {"q4": PackedFormat("dequantize_nk", 4, 32, 7), "t2": PackedFormat("dequantize_t2_nk", 2, 128, 1),
-              "q8": PackedFormat("dequantize_q8_nk", 8, 32, 0), "b1": PackedFormat("dequantize_b1_nk", 1, 128, 1, 2)}
+              "q8": PackedFormat("dequantize_q8_nk", 8, 32, 0), "b1": PackedFormat("dequantize_b1_nk", 1, 128, 1, 2),
+              "t3": PackedFormat("dequantize_t3_nk", 0, 128, 1, per_word=20)}   # bits 0: base 3 (arm_t3.py)
 
 
 def substitute(func: tirx.PrimFunc, kernel: tirx.PrimFunc, order: tuple[str, ...], op_class: str,

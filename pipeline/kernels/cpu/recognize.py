@@ -22,6 +22,7 @@ from pipeline.kernels.cpu.packed import (
     ROLES,
     TILED_PACKED,
     TILED_Q8,
+    TILED_T3,
     PackedFormat,
     q8_tile_of,
 )
@@ -188,7 +189,7 @@ def match_packed_nk_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, i
     roles, by_role = [], {}
     for p, shape in zip(params[:-1], shapes[:-1], strict=True):
         dtype = str(p.dtype)
-        interleaved = fmt in ("q4", "q8", "t2") and len(shape) == 3 and shape[:2] != (1, 1)   # 3-d codes / scales
+        interleaved = fmt in ("q4", "q8", "t2", "t3") and len(shape) == 3 and shape[:2] != (1, 1)   # 3-d codes / scales
         role = ("codes" if dtype == spec.code_dtype and (len(shape) == 2 or interleaved) else
                 "x" if dtype == act and len(shape) == 3 and shape[:2] == (1, 1) else
                 "scales" if dtype in ("float16", "float32") and (len(shape) == 2 or interleaved) else "")
@@ -200,13 +201,16 @@ def match_packed_nk_gemv(func: tirx.PrimFunc, rows: str = "one") -> tuple[str, i
     codes, scales = by_role["codes"][0], by_role["scales"][0]
     if len(codes) == 3:
         t = scales[2] if len(scales) == 3 else 0
-        want = (n // t, k // 4, 4 * t) if spec.bits == 8 else (n // t, k // spec.codes, t)
-        whole = k % spec.codes == 0 if spec.bits == 2 else k % spec.group == 0   # t2: the last group may be shorter
+        want = (n // t, k // 4, 4 * t) if spec.bits == 8 else (n // t, -(-k // spec.codes), t)
+        # t2: the last group may be shorter; t3: the last word too (padded)
+        whole = k % spec.codes == 0 if spec.bits == 2 else True if spec.per_word else k % spec.group == 0
         if not t or n % t or codes != want or scales != (n // t, -(-k // spec.group), t) or not whole:
             return None
-        tiled = TILED_Q8 if spec.bits == 8 else next(t for t, f in TILED_PACKED.items() if f == fmt)
+        tiled = TILED_Q8 if spec.bits == 8 else TILED_T3 if fmt == "t3" else next(
+            t for t, f in TILED_PACKED.items() if f == fmt)
         return tiled, n, k, act, by_role["scales"][1], (*roles, "out")
-    if k % spec.codes or by_role["codes"][0] != (n, k // spec.codes) or by_role["scales"][0] != (n, -(-k // spec.group)):
+    whole = k % spec.codes == 0 or spec.per_word     # t3 rows end in a padded word
+    if not whole or by_role["codes"][0] != (n, -(-k // spec.codes)) or by_role["scales"][0] != (n, -(-k // spec.group)):
         return None
     return fmt, n, k, act, by_role["scales"][1], (*roles, "out")
 

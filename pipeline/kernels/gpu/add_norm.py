@@ -1,111 +1,45 @@
-"""Residual add + RMSNorm in one GPU launch, at every layer boundary.
+"""Residual add + RMSNorm in one GPU launch, and every other RMSNorm on our row-splitting kernel.
 
 After fusion, each layer boundary of a decoder is two kernels: `add` (the residual stream plus the attention
 or MLP output) and `rms_norm` of that sum (FuseOps keeps them apart: the sum also feeds the next residual
-add). dlight gives the norm one work-group of 256 work-items and a 10-barrier local-memory tree. Here the
-pair becomes one call of a kernel with two outputs, the sum (for the residual stream) and the normalised
-sum: one work-group per token row, each work-item adding, storing and squaring H / THREADS elements in
-float registers, one barrier, then every work-item adds the THREADS partial sums of squares from local
-memory in the same order (fp32) and writes its normalised elements. The sum is rounded to the stream's
-dtype before it is squared, as the unfused pair computes it.
+add); Qwen3.5's zero-centred norm adds a third, `add` of 1 to the weight (its scale is 1 + w). dlight gives a
+norm one work-group of 256 work-items per row and a 10-barrier local-memory tree. Here the pair (with its
+weight's `+ 1`, when there is one) becomes one call of a kernel with two outputs, the sum (for the residual
+stream) and the normalised sum, and every other norm (the first layer's input norm, per-head q / k norms)
+one call of the plain kernel: both in norm_rows.py, whose launches fill the GPU at one token.
 
-Recognised from the legalized TIR (TVM's `add` of two equal tensors; its `rms_norm`, whose eps is read off
-`rsqrt(sum / H + eps)`); anything else is left as it was.
+Recognised from the legalized TIR: TVM's `add` of two equal [1, n, H] tensors; its `rms_norm` over the last dim
+of [1, n, H] or [1, n, heads, H], whose eps is read off `rsqrt(sum / H + eps)`; `add` of a float constant to a
+[H] weight (`w + 1.0`). Anything else is left as it was.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import tvm
 from tvm import relax, tirx
 from tvm.s_tir import SBlock
-from tvm.script import tirx as T
 
+from pipeline.kernels.gpu.norm_rows import NormSpec, norm_kernel, spec_of
 from pipeline.tir_walk import statements
 
 GPU_KINDS = ("opencl", "metal")
-KERNEL = "fused_add_rms_norm"
-PLAN_ATTR = "pipeline.gpu_plan"   # the launch, for the coverage report's cost columns (report/gpu_cost.py)
-SHAPE_ATTR = "pipeline.add_norm"  # (h, dtype, w_dtype, eps): enough to make the kernel's LLVM variant
-OUTPUTS = (3, 4)                  # the parameters it writes: the sum and the normalised sum
-
-
-def threads_for(h: int) -> int:
-    """Work-items per row: one 64-wide wave up to 2048 elements (SmolLM2's 576: 9 each), 256 above."""
-    return 64 if h <= 2048 else 256
-
-
-def add_rms_norm(h: int, dtype: str, w_dtype: str, eps: float, gpu: bool = True):
-    """(a, b, w) -> (a + b, rms_norm(a + b) * w) over rows of h, rows symbolic. gpu=False: the same arithmetic
-    in plain serial loops, for LLVM (the reference of the GPU kernel)."""
-    threads = threads_for(h)
-    per = -(-h // threads)
-
-    @T.prim_func(s_tir=True)
-    def fused_add_rms_norm_gpu(a_h: T.handle, b_h: T.handle, w_h: T.handle, sum_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        seq_len = T.int64()
-        a = T.match_buffer(a_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        b = T.match_buffer(b_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        w = T.match_buffer(w_h, (T.int64(h),), w_dtype)
-        total = T.match_buffer(sum_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        out = T.match_buffer(out_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        for row in T.thread_binding(seq_len, thread="blockIdx.x"):
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                with T.sblock("add_rms_norm"):
-                    part = T.sblock_alloc_buffer((threads,), "float32", scope="shared")
-                    vals = T.sblock_alloc_buffer((per,), "float32", scope="local")
-                    acc = T.sblock_alloc_buffer((2,), "float32", scope="local")   # sum of squares, then scale
-                    acc[0] = T.float32(0)
-                    for i in range(per):
-                        if i * threads + tx < h:
-                            vals[i] = T.Cast("float32", T.Cast(dtype, T.Cast("float32", a[0, row, i * threads + tx])
-                                                               + T.Cast("float32", b[0, row, i * threads + tx])))
-                            total[0, row, i * threads + tx] = T.Cast(dtype, vals[i])
-                            acc[0] = acc[0] + vals[i] * vals[i]
-                    part[tx] = acc[0]
-                    T.tvm_storage_sync("shared")
-                    acc[1] = T.float32(0)
-                    for j in range(threads):
-                        acc[1] = acc[1] + part[j]
-                    acc[1] = T.rsqrt(acc[1] / T.float32(h) + T.float32(eps))
-                    for i in range(per):
-                        if i * threads + tx < h:
-                            out[0, row, i * threads + tx] = T.Cast(
-                                dtype, acc[1] * vals[i] * T.Cast("float32", w[i * threads + tx]))
-
-    @T.prim_func(s_tir=True)
-    def fused_add_rms_norm_cpu(a_h: T.handle, b_h: T.handle, w_h: T.handle, sum_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        seq_len = T.int64()
-        a = T.match_buffer(a_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        b = T.match_buffer(b_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        w = T.match_buffer(w_h, (T.int64(h),), w_dtype)
-        total = T.match_buffer(sum_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        out = T.match_buffer(out_h, (T.int64(1), seq_len, T.int64(h)), dtype)
-        ss = T.alloc_buffer((1,), "float32")
-        for row in range(seq_len):
-            ss[0] = T.float32(0)
-            for c in range(h):
-                total[0, row, c] = T.Cast(dtype, T.Cast("float32", a[0, row, c]) + T.Cast("float32", b[0, row, c]))
-                ss[0] = ss[0] + T.Cast("float32", total[0, row, c]) * T.Cast("float32", total[0, row, c])
-            ss[0] = T.rsqrt(ss[0] / T.float32(h) + T.float32(eps))
-            for c in range(h):
-                out[0, row, c] = T.Cast(dtype, ss[0] * T.Cast("float32", total[0, row, c]) * T.Cast("float32", w[c]))
-
-    if not gpu:
-        return fused_add_rms_norm_cpu
-    plan = {"work_groups": "one per token", "work_items": threads, "barriers": 1}
-    shape = {"h": h, "dtype": dtype, "w_dtype": w_dtype, "eps": eps}
-    return fused_add_rms_norm_gpu.with_attr(PLAN_ATTR, plan).with_attr(SHAPE_ATTR, shape)
+KERNEL = "fused_add_rms_norm"    # the residual add + norm
+PLAIN = "rms_norm_split"         # a norm alone
 
 
 def cpu_variant(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-    """The LLVM variant of a GPU fused_add_rms_norm (its reference in the build's PoCL check), or None for any
-    other function."""
-    shape = func.attrs.get(SHAPE_ATTR) if func.attrs else None
-    if shape is None:
-        return None
-    return add_rms_norm(int(shape["h"]), str(shape["dtype"]), str(shape["w_dtype"]), float(shape["eps"]), gpu=False)
+    """The LLVM variant of one of our GPU norm kernels (its reference in the build's PoCL check, its CPU form
+    when pinned to the host), or None for any other function."""
+    spec = spec_of(func)
+    return None if spec is None else norm_kernel(spec, gpu=False)
+
+
+def outputs(func: tirx.PrimFunc) -> list[int]:
+    """The parameters one of our norm kernels writes (the sum and the normalised sum, or the norm)."""
+    spec = spec_of(func)
+    return [] if spec is None else spec.outputs()
 
 
 # ------------------------------------------------------------------ recognising the pair
@@ -123,20 +57,47 @@ def _blocks(func: tirx.PrimFunc) -> list[SBlock]:
     return [s for s in statements(func.body) if isinstance(s, SBlock) and s.name_hint != "root"]
 
 
+def _unit_lead(shape: tuple) -> bool:
+    return isinstance(shape[0], tirx.IntImm) and int(shape[0]) == 1
+
+
 def is_residual_add(func: tirx.PrimFunc) -> bool:
     """TVM's legalized `add` of two [1, n, H] tensors of one dtype: one block storing a + b."""
     bufs = _static_row(func)
-    if bufs is None or len(bufs) != 3 or len({b for b in bufs}) != 1 or len(bufs[0][0]) != 3:
+    if bufs is None or len(bufs) != 3 or len({b for b in bufs}) != 1 or len(bufs[0][0]) != 3 \
+            or not _unit_lead(bufs[0][0]):
         return False
     blocks = _blocks(func)
     return len(blocks) == 1 and isinstance(blocks[0].body, tirx.BufferStore) and isinstance(blocks[0].body.value,
                                                                                             tirx.Add)
 
 
-def rms_norm_eps(func: tirx.PrimFunc) -> float | None:
-    """eps of TVM's legalized `rms_norm` over the last dim ([1, n, H], weight [H]), from rsqrt(sum / H + eps)."""
+def weight_offset(func: tirx.PrimFunc) -> float | None:
+    """c of TVM's legalized `add` of a float constant to a [H] tensor (`w + c`; Qwen3.5's norms: w + 1)."""
     bufs = _static_row(func)
-    if bufs is None or len(bufs) != 3 or len(bufs[0][0]) != 3 or len(bufs[1][0]) != 1:
+    if bufs is None or len(bufs) != 2 or len(bufs[0][0]) != 1 or len({str(b) for b in bufs}) != 1:
+        return None
+    blocks = _blocks(func)
+    if len(blocks) != 1 or not isinstance(blocks[0].body, tirx.BufferStore):
+        return None
+    v = blocks[0].body.value
+    if not isinstance(v, tirx.Add):
+        return None
+    load, c = (v.a, v.b) if isinstance(v.b, tirx.FloatImm) else (v.b, v.a)
+    loaded = getattr(load, "source", None)   # TVM 0.27's load of a tensor: its `source`, the parameter
+    if isinstance(c, tirx.FloatImm) and loaded is not None and loaded.same_as(func.params[0]):
+        return float(c.value)
+    return None
+
+
+def rms_norm_eps(func: tirx.PrimFunc) -> float | None:
+    """eps of TVM's legalized `rms_norm` over the last dim of [1, n, H] or [1, n, heads, H] (weight [H]), from
+    rsqrt(sum / H + eps)."""
+    bufs = _static_row(func)
+    if bufs is None or len(bufs) != 3 or len(bufs[0][0]) not in (3, 4) or len(bufs[1][0]) != 1 \
+            or not _unit_lead(bufs[0][0]) or len(bufs[2][0]) != len(bufs[0][0]):
+        return None
+    if len(bufs[0][0]) == 4 and not isinstance(bufs[0][0][2], tirx.IntImm):
         return None
     h = int(bufs[0][0][-1])
     for block in _blocks(func):
@@ -159,12 +120,24 @@ def _call_tir(expr, mod: tvm.IRModule) -> tuple[str, tirx.PrimFunc, list] | None
     return gv.name_hint, func, list(expr.args[1].fields)
 
 
-def fusable_pairs(func: relax.Function, mod: tvm.IRModule) -> dict:
-    """{add's var: (norm's var, eps, norm's weight)} for each `s = add(a, b); y = rms_norm(s, w)` of `func`
-    whose weight is bound before the add (a parameter or an earlier binding); one norm per add."""
+def _weight(w, bound: dict, mod: tvm.IRModule) -> tuple:
+    """(stored weight, offset): the input of an `add` of a constant to it, or w itself and None."""
+    add = _call_tir(bound.get(w), mod)
+    if add is not None and add[0].startswith("add") and len(add[2]) == 1:
+        offset = weight_offset(add[1])
+        if offset is not None:
+            return add[2][0], offset
+    return w, None
+
+
+def norm_calls(func: relax.Function, mod: tvm.IRModule) -> tuple[dict, dict]:
+    """({add's var: (norm's var, NormSpec, a, b, w)}, {norm's var: (NormSpec, x, w)}): each `s = add(a, b);
+    y = rms_norm(s, w)` of `func` whose weight is bound before the add (a parameter or an earlier binding; one
+    norm per add), then every other recognised norm. w is the stored weight, the spec's offset its `+ c`."""
     bound: dict = {}
     order: dict = {}
     pairs: dict = {}
+    solos: dict = {}
     for block in func.body.blocks:
         for binding in block.bindings:
             if not isinstance(binding, relax.VarBinding):
@@ -172,17 +145,25 @@ def fusable_pairs(func: relax.Function, mod: tvm.IRModule) -> dict:
             order[binding.var] = len(order)
             bound[binding.var] = binding.value
             norm = _call_tir(binding.value, mod)
-            if norm is None or not norm[0].startswith("rms_norm") or len(norm[2]) != 2:
-                continue
-            s, w = norm[2]
-            add = _call_tir(bound.get(s), mod)
-            if add is None or not add[0].startswith("add") or s in pairs or not isinstance(s, relax.DataflowVar) \
-                    or not isinstance(binding.var, relax.DataflowVar) or order.get(w, -1) > order[s]:
+            if norm is None or not norm[0].startswith("rms_norm") or len(norm[2]) != 2 \
+                    or not isinstance(binding.var, relax.DataflowVar):
                 continue
             eps = rms_norm_eps(norm[1])
-            if eps is not None and is_residual_add(add[1]):
-                pairs[s] = (binding.var, eps, w)
-    return pairs
+            if eps is None:
+                continue
+            s, w = norm[2]
+            w, offset = _weight(w, bound, mod)
+            x_ty = binding.var.ty
+            spec = NormSpec(h=int(x_ty.shape[-1]), dtype=str(x_ty.dtype), w_dtype=str(w.ty.dtype), eps=eps,
+                            heads=int(x_ty.shape[2]) if len(x_ty.shape) == 4 else 1, offset=offset)
+            add = _call_tir(bound.get(s), mod)
+            if add is not None and add[0].startswith("add") and s not in pairs and isinstance(s, relax.DataflowVar) \
+                    and spec.heads == 1 and order.get(w, -1) < order[s] and is_residual_add(add[1]):
+                a, b = add[2]
+                pairs[s] = (binding.var, replace(spec, residual=True), a, b, w)
+            else:
+                solos[binding.var] = (spec, s, w)
+    return pairs, solos
 
 
 @relax.expr_functor.mutator
@@ -192,37 +173,40 @@ class _FuseAddNorm(relax.PyExprMutator):
         self.mod_ = mod
         self.kernels: dict = {}
         self.pairs: dict = {}
+        self.solos: dict = {}
         self.norm_values: dict = {}
 
     def run(self) -> tvm.IRModule:
         for gv, func in self.mod_.functions_items():
             if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
-                self.pairs = fusable_pairs(func, self.mod_)
-                if self.pairs:
+                self.pairs, self.solos = norm_calls(func, self.mod_)
+                if self.pairs or self.solos:
                     self.builder_.update_func(gv, self.visit_expr(func))
         return self.builder_.get()
 
-    def _kernel(self, s_ty, w_ty, eps: float):
-        h, dtype, w_dtype = int(s_ty.shape[-1]), str(s_ty.dtype), str(w_ty.dtype)
-        key = (h, dtype, w_dtype, eps)
-        if key not in self.kernels:
-            self.kernels[key] = self.builder_.add_func(
-                add_rms_norm(h, dtype, w_dtype, eps).with_attr("mlp.kernel", KERNEL), KERNEL)
-        return self.kernels[key]
+    def _kernel(self, spec: NormSpec):
+        if spec not in self.kernels:
+            name = KERNEL if spec.residual else PLAIN
+            self.kernels[spec] = self.builder_.add_func(norm_kernel(spec).with_attr("mlp.kernel", name), name)
+        return self.kernels[spec]
 
     def visit_var_binding_(self, binding) -> None:
         if binding.var in self.pairs:
-            norm_var, eps, w = self.pairs[binding.var]
-            a, b = (self.visit_expr(x) for x in binding.value.args[1].fields)
-            w = self.visit_expr(w)
+            norm_var, spec, a, b, w = self.pairs[binding.var]
+            args = relax.Tuple([self.visit_expr(x) for x in (a, b, w)])
             s_ty = binding.var.ty
-            gv = self._kernel(s_ty, w.ty, eps)
-            both = self.builder_.emit(relax.call_tir(gv, relax.Tuple([a, b, w]), [s_ty, s_ty]))
+            both = self.builder_.emit(relax.call_tir(self._kernel(spec), args, [s_ty, s_ty]))
             self.set_var_remap(binding.var, self.builder_.emit(relax.TupleGetItem(both, 0)))
             self.norm_values[norm_var] = self.builder_.emit(relax.TupleGetItem(both, 1))
             return
         if binding.var in self.norm_values:
             self.set_var_remap(binding.var, self.norm_values[binding.var])
+            return
+        if binding.var in self.solos:
+            spec, x, w = self.solos[binding.var]
+            args = relax.Tuple([self.visit_expr(x), self.visit_expr(w)])
+            self.set_var_remap(binding.var, self.builder_.emit(relax.call_tir(self._kernel(spec), args,
+                                                                             binding.var.ty)))
             return
         super().visit_var_binding_(binding)
 
@@ -230,7 +214,7 @@ class _FuseAddNorm(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="FuseAddRMSNormGPU")
 def fuse_add_rms_norm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """On OpenCL / Metal targets, each residual add whose sum is RMS-normalised becomes one fused_add_rms_norm
-    call with both outputs (module docstring)."""
+    call with both outputs, every other recognised RMSNorm one rms_norm_split call (module docstring)."""
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name not in GPU_KINDS:
         return mod

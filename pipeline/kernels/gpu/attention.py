@@ -16,7 +16,8 @@ expects), in two launches:
   statements in its loop over 15-key tiles).
   The key lanes' outputs are added through local memory at the end; the part's unnormalised output, max
   and sum go to a workspace.
-* merge: one work-group per (sequence, query head) combines the parts with their maxima (flash-decoding).
+* merge: work-groups per (sequence, query head, chunk of its output columns) combine the parts with their
+  maxima (flash-decoding); the columns are split so that one sequence gives FILL_GROUPS work-groups too.
 
 It needs rotary_mode 0 (RoPE applied when K / Q are written: every model here) and a head size D with
 D / VEC dividing W; other cases (and the sliding-window variant) keep TVM's kernel.
@@ -46,6 +47,14 @@ def decode_splits(h_kv: int) -> int:
     return 1 << max(0, need - 1).bit_length()
 
 
+def merge_chunks(heads: int, lanes: int) -> int:
+    """Parts of a head's output columns the merge launch splits over work-groups: the least power of two that
+    gives FILL_GROUPS work-groups for one sequence (each group re-reads its head's few part maxima and sums),
+    at most one per work-item."""
+    need = -(-FILL_GROUPS // heads)
+    return min(lanes, 1 << max(0, need - 1).bit_length())
+
+
 def paged_decode_gpu(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16, splits: int | None = None,
                      vec: int = VEC):
     """The split-KV decode attention (module docstring); signature of TVM's `batch_decode_paged_kv`. `vec`:
@@ -55,6 +64,7 @@ def paged_decode_gpu(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 1
     kp = W // lanes         # keys summed in parallel
     splits = splits or decode_splits(h_kv)
     parts = h_kv * splits
+    chunks = merge_chunks(h_kv * group, lanes)
     scale = LOG2E
 
     @T.prim_func(s_tir=True)
@@ -178,10 +188,12 @@ def paged_decode_gpu(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 1
                                         part_ml[bx, kv_head * splits + split, g, 0] = m[g]
                                         part_ml[bx, kv_head * splits + split, g, 1] = lsum[g]
         for bx in T.thread_binding(B, thread="blockIdx.x"):
-            for kv_head in T.thread_binding(h_kv, thread="blockIdx.y"):
+            for head_cols in T.thread_binding(h_kv * chunks, thread="blockIdx.y"):   # chunks: a power of two
                 for g in T.thread_binding(group, thread="blockIdx.z"):   # no h // group: Oclgrind stops on it
-                    for tx in T.thread_binding(lanes, thread="threadIdx.x"):
+                    for lane in T.thread_binding(lanes // chunks, thread="threadIdx.x"):
                         with T.sblock("merge"):
+                            kv_head: T.let[T.int32] = head_cols // chunks
+                            tx: T.let[T.int32] = head_cols % chunks * (lanes // chunks) + lane
                             st = T.sblock_alloc_buffer((3,), "float32", scope="local")   # max, sum, a part's weight
                             o = T.sblock_alloc_buffer((vec,), "float32", scope="local")
                             st[0] = T.float32(NEG)
@@ -206,6 +218,7 @@ def paged_decode_gpu(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 1
 
     # for the coverage report (report/gpu_cost.py): the split launch streams the KV rows; its barriers
     plan = {"work_groups": parts, "work_items": W, "streaming": "split", "splits": splits,
+            "merge_work_groups": h_kv * chunks * group, "merge_work_items": lanes // chunks,
             "barriers": f"split: 2 + 2 per {W} keys; merge: 0"}
     return batch_decode_paged_kv.with_attr(PLAN_ATTR, plan)
 

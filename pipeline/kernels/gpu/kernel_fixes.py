@@ -20,15 +20,26 @@ TVM's KV append (`tir_kv_cache_transpose_append`) tests `position_map[token] != 
 once the GPU schedule fuses (token, head, element) over 256-wide work-groups, the work-items past the last
 element read `position_map` beyond its end before the bounds check (Oclgrind: one invalid read per such
 work-item of every prefill and decode step). `bounded_transpose_append` checks the bound first.
+
+TVM's tree-attention kernels (`batch_tree_attn`, `tree_attn_paged_kv`: speculative decoding, which MLC's engine
+calls with a draft model) evaluate their tree-order test for the padding query rows of the last 32-row tile
+too, reading the tree table (`mask` / `tree_order`, [rows, 2] int32) past its end (Oclgrind: 126 invalid
+reads per call on SmolLM2's shape); the result is discarded, but an out-of-bounds read on a phone GPU can fault.
+`bounded_table_reads` keeps their code and makes each read of that table yield 0 outside its rows (a lazy
+`?:` in the OpenCL C: the load happens only in range).
 """
 
 from __future__ import annotations
 
 import tvm
+from tvm import tirx
+from tvm.ir.expr import TensorLoad
 from tvm.script import tirx as T
+from tvm_ffi.structural import structural_map
 
 from pipeline.kernels.cpu.attention import append_shapes
 
+TABLES_READ_PAST_END = {"batch_tree_attn": "mask", "tree_attn_paged_kv": "tree_order"}   # kernel: its table
 RACY_MERGE_STATE = ("tir_attention_merge_state", "tir_attention_merge_state_mla")
 UNBOUNDED_APPEND = "tir_kv_cache_transpose_append"
 THREADS = 32   # work-items per head, striding over the head dimension
@@ -110,6 +121,21 @@ def bounded_transpose_append(h_kv: int, d: int, dtype: str, page_size: int = 16)
     return tir_kv_cache_transpose_append
 
 
+def bounded_table_reads(func: tirx.PrimFunc, table_name: str) -> tirx.PrimFunc:
+    """`func` with every load of its parameter buffer `table_name` guarded by the buffer's row count."""
+
+    def guard(node: TensorLoad):   # TVM 0.27's buffer load: `source` is the buffer's variable
+        if node.source.name != table_name:
+            return node
+        row = node.indices[0]
+        index_dtype = str(row.ty.dtype)
+        rows = tirx.Cast(index_dtype, node.source.ty.shape[0])
+        return tirx.if_then_else(tirx.all(row >= tirx.const(0, index_dtype), row < rows), node,
+                                 tirx.const(0, str(node.ty.dtype)))
+
+    return func.with_body(structural_map(func.body, [(TensorLoad, guard)]))
+
+
 @tvm.transform.module_pass(opt_level=0, name="MarkNoAlias")
 def mark_noalias(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Give the PrimFuncs that lack it `tirx.noalias` when compiling for an LLVM target (see above)."""
@@ -125,7 +151,8 @@ def mark_noalias(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 @tvm.transform.module_pass(opt_level=0, name="ReplaceRacyKernels")
 def replace_racy_kernels(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Swap the GPU merge-state kernels for race_free_merge_state and TVM's KV append for
-    bounded_transpose_append (same name, signature and attributes). LLVM targets keep theirs (their KV append
+    bounded_transpose_append (same name, signature and attributes); guard the tree-attention kernels' table
+    reads (bounded_table_reads). LLVM targets keep theirs (their KV append
     is replaced by kernels/cpu/attention.py)."""
     target = tvm.target.Target.current(allow_none=True)
     gpu = target is not None and target.kind.name != "llvm"
@@ -138,6 +165,9 @@ def replace_racy_kernels(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
             fixed = bounded_transpose_append(h_kv, d, str(func.params[1].dtype), page_size)
         elif gv.name_hint in RACY_MERGE_STATE:
             fixed = race_free_merge_state(str(func.params[0].dtype))
+        elif gv.name_hint in TABLES_READ_PAST_END and gpu:
+            mod[gv] = bounded_table_reads(func, TABLES_READ_PAST_END[gv.name_hint])
+            continue
         else:
             continue
         for key, value in func.attrs.items():

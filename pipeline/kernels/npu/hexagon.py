@@ -15,9 +15,7 @@ the NPU only when its HVX schedule applied and its disassembled object holds HVX
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -33,11 +31,11 @@ from pipeline.errors import CompileError
 from pipeline.kernels.cpu.schedule import _inline_producers
 from pipeline.kernels.npu.hvx_fp16 import HAND_WRITTEN
 from pipeline.kernels.npu.hvx_int8_matmul import INT8_RULES, int8_matmul_like
+from pipeline.kernels.objdump import find_objdump
 from pipeline.op_classes import classify
 from pipeline.op_classes import eval_shape as _eval
 
 HVX_BYTES = 128           # one HVX vector with +hvx-length128b
-OBJDUMP_CANDIDATES = tuple(f"llvm-objdump-{v}" for v in range(21, 13, -1)) + ("llvm-objdump",)
 # Older disassemblers lack the newest Hexagon CPUs (Debian's LLVM 14/15 stop at v69): the target's own CPU
 # is tried first, then these; HVX encodings an older decoder does not know print as <unknown> and are not
 # counted, so a fallback can only undercount.
@@ -111,16 +109,6 @@ def hvx_kernel(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, str]:
     if int8 is not None:
         return int8
     return hvx_schedule(func), "hvx"
-
-
-def find_objdump() -> str | None:
-    """llvm-objdump (Debian's llvm packages; LLVM_OBJDUMP overrides), newest first: None when absent."""
-    env = os.environ.get("LLVM_OBJDUMP")
-    for candidate in (env,) if env else OBJDUMP_CANDIDATES:
-        found = shutil.which(candidate)
-        if found:
-            return found
-    return None
 
 
 def _disassemble(objdump: str, obj: Path, mcpu: str, mattr: list[str]) -> str:
