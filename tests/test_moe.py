@@ -218,10 +218,10 @@ def test_routed_experts_tolerate_lower_bits(trained_qwen3_moe):
         f"stored-weighted {stored:.3g}; {table}")
 
 
-def _run(func, inputs, outputs):
+def _run(func, inputs, outputs, target="llvm"):
     import tvm
 
-    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(a, dev) for a in inputs]
     outs = [tvm.runtime.tensor(np.zeros(shape, dtype), dev) for shape, dtype in outputs]
@@ -297,6 +297,40 @@ def test_vector_dots_cover_whole_groups_and_padded_words(fmt):
     y, = _run(moe_down(E, H, M, k, "float32", fmt), [act, idx, w, *dn_args], [((n, H), "float32")])
     want_y = np.einsum("tj,tjm,tjhm->th", w.astype(np.float64), act.astype(np.float64), down[idx])
     assert np.abs(y - want_y).max() <= 1e-5 * np.abs(want_y).max(), fmt
+
+
+@pytest.mark.parametrize("shape", [(320, 192), (320, 160)])
+def test_avx2_int16_expert_dot_matches_numpy(shape):
+    """The host's AVX2 expert dot (kernels/cpu/expert_x86.py: q4 codes against x quantized per group of 32 to
+    int16, `pmaddwd`) against NumPy on the dequantized weights, within 2e-4 of the output scale (x's int16
+    steps: ~1.5e-5 of a group's largest |x| per element); K = 160 is no multiple of its 64-weight step, so
+    that down projection keeps the fp32 dot (within 1e-5)."""
+
+    from pipeline.config import load_target
+    from pipeline.kernels.cpu.probe import has_avx2
+
+    host = load_target("host-cpu").tvm()
+    if not has_avx2(host):
+        pytest.skip(f"host-cpu here has no AVX2 ({host}): the int16 expert dot is x86-only")
+    E, k, n = 3, 2, 2
+    H, M = shape
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    x[1, :32] = 0.0     # a group of zeros: a zero step
+    gu_args, gate_up = _stored("q4", (rng.standard_normal((E, 2 * M, H)) * 0.1).astype(np.float32))
+    dn_args, down = _stored("q4", (rng.standard_normal((E, H, M)) * 0.1).astype(np.float32))
+    idx = np.array([[2, 0], [1, 2]], np.int32)
+    w = np.array([[0.7, 0.3], [0.4, 0.6]], np.float32)
+    act, = _run(moe_gate_up(E, M, H, k, "float32", "q4", int16_dot=True), [x, idx, *gu_args],
+                [((n, k, M), "float32")], host)
+    g = np.einsum("th,tjmh->tjm", x.astype(np.float64), gate_up[idx, :M])
+    u = np.einsum("th,tjmh->tjm", x.astype(np.float64), gate_up[idx, M:])
+    want_act = g / (1 + np.exp(-g)) * u
+    assert np.abs(act - want_act).max() <= 2e-4 * np.abs(want_act).max()
+    y, = _run(moe_down(E, H, M, k, "float32", "q4", int16_dot=True), [act, idx, w, *dn_args], [((n, H), "float32")],
+              host)
+    want_y = np.einsum("tj,tjm,tjhm->th", w.astype(np.float64), act.astype(np.float64), down[idx])
+    assert np.abs(y - want_y).max() <= (2e-4 if M % 64 == 0 else 1e-5) * np.abs(want_y).max()
 
 
 @pytest.mark.parametrize("fmt", ["float", "q4", "q8", *SIGN_FORMATS])

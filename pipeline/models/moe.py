@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn import Tensor, op
 
 from pipeline.errors import ConfigError
 from pipeline.formats import FORMAT_BITS, GROUP, PACKINGS
+from pipeline.kernels.cpu.probe import has_avx2
 from pipeline.models.layers import FloatLinear, LayerFactory
 from pipeline.models.moe_grouped import moe_grouped_down, moe_grouped_gate_up, moe_sort
 from pipeline.models.moe_grouped_gpu import moe_grouped_down_gpu, moe_grouped_gate_up_gpu, moe_sort_gpu
@@ -42,6 +43,11 @@ def gpu_info(target: Any) -> tuple[bool, int]:
         return False, 1
     threads = target.attrs.get("max_num_threads", 256) if hasattr(target, "attrs") else 256
     return True, int(min(int(threads), 128))
+
+
+def expert_int16_dot(target: Any) -> bool:
+    """Do the CPU expert kernels take the AVX2 integer dot (kernels/cpu/expert_x86.py) on this target?"""
+    return has_avx2(target)
 
 
 class StackedExperts(nn.Module):
@@ -111,10 +117,11 @@ class SparseMoE(nn.Module):
     """Router + top-k routed experts (+ a gated shared expert when `shared_inter` > 0)."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, inter: int, norm_topk: bool, make: LayerFactory,
-                 gpu: bool, max_threads: int, shared_inter: int = 0):
+                 gpu: bool, max_threads: int, shared_inter: int = 0, int16_dot: bool = False):
         self.hidden, self.num_experts, self.top_k, self.inter = hidden, experts, top_k, inter
         self.norm_topk, self.dtype = norm_topk, make.dtype
         self.gpu, self.threads = gpu, max_threads
+        self.int16_dot = int16_dot    # an AVX2 CPU target: q4 expert rows take kernels/cpu/expert_x86.py's dot
         self.gate = FloatLinear(hidden, experts, False, make.weight_dtype)
         self.experts = ExpertsPair(experts, hidden, inter, make)
         if shared_inter:
@@ -146,7 +153,7 @@ class SparseMoE(nn.Module):
     def _gathered(self, flat: Tensor, idx: Tensor, weight: Tensor, n: Any) -> Tensor:
         """Each token's k experts on their own (moe_kernels): decode."""
         E, k, inter, h, dtype = self.num_experts, self.top_k, self.inter, self.hidden, self.dtype
-        kw = dict(gpu=self.gpu, max_threads=self.threads)
+        kw = dict(gpu=self.gpu, max_threads=self.threads, int16_dot=self.int16_dot)
         gu, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_kernel = moe_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype, **kw)
         down_kernel = moe_down(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype, **kw)

@@ -21,7 +21,8 @@ each token gathers its own k experts (CPU prefill groups tokens by expert: moe_g
 one work item per output element, a serial fp32 dot product over K, bound to blockIdx / threadIdx and
 marked scheduled (dlight leaves it alone; a GPU work item reads its own weight row, so neighbouring threads
 do not coalesce). Else a ``parallel`` loop over work items of ROWS_PER_ITEM output rows, each dot product
-vectorised (kernels/cpu/expert_rows.py: LANES weights per step, x prescaled once per call).
+vectorised (kernels/cpu/expert_rows.py: LANES weights per step, x converted once per call; q4 rows on an AVX2
+target: kernels/cpu/expert_x86.py's integer dot, x quantized to int16 once per call).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from pipeline.formats import CODES_PER_WORD, FORMATS, GROUP, PACKINGS, SIGN_GROUP, ZERO, n_groups, packed_len
+from pipeline.kernels.cpu import expert_x86
 from pipeline.kernels.cpu.expert_rows import (
     expert_row_dot,
     group_sums_shape,
@@ -169,9 +171,10 @@ def moe_route(experts: int, top_k: int, norm_topk: bool, *, gpu: bool = False, m
 
 def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, fmt: str = "float",
                 weight_dtype: str = "float32", *, scale_dtype: str = "float16", gpu: bool = False,
-                max_threads: int = 128,
+                max_threads: int = 128, int16_dot: bool = False,
                 name: str = "moe_gate_up") -> tirx.PrimFunc:
-    """h[t, j, r] = silu(x[t] . W[idx[t, j], r]) * (x[t] . W[idx[t, j], inter + r]) for the k selected experts."""
+    """h[t, j, r] = silu(x[t] . W[idx[t, j], r]) * (x[t] . W[idx[t, j], inter + r]) for the k selected experts.
+    `int16_dot` (a CPU target with AVX2): q4 rows take expert_x86.py's pmaddwd dot where it applies."""
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, H)
     wshape, sshape = weight_shapes(fmt, E, 2 * M, H)
@@ -199,6 +202,32 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
             for i in T.unroll(per):
                 out[t, j, r + i] = T.Cast(dtype, res[2 * i] / (T.float32(1) + T.exp(-res[2 * i])) * res[2 * i + 1])
 
+    x86 = int16_dot and not gpu and expert_x86.supports(fmt, H)
+    if x86:
+        idot = expert_x86.dot(H, 2 * per, pair=2)
+        quant = expert_x86.quantize(H, lambda row: (row,))
+        pshape, lshape8 = expert_x86.quantized_shapes(1, H)
+        (ashape, adtype), (ishape, idtype), (l8shape, l8dtype) = expert_x86.scratch(2 * per)
+
+    @T.macro
+    def x86_body(x, idx, codes, scales, out, seq_len):
+        pairs = T.alloc_buffer((seq_len, pshape[1]), "int32")
+        steps = T.alloc_buffer((seq_len, lshape8[1]), "float32")
+        offs = T.alloc_buffer((seq_len, lshape8[1]), "float32")
+        qrow = T.alloc_buffer((H,), "int32")
+        quant(pairs, steps, offs, qrow, x, seq_len)
+        for item in T.parallel(seq_len * K * (M // per)):
+            t: T.let[T.int64] = item // (K * (M // per))
+            j: T.let[T.int64] = item // (M // per) % K
+            r: T.let[T.int64] = item % (M // per) * per
+            res = T.alloc_buffer((2 * per,), "float32")
+            acc = T.alloc_buffer(ashape, adtype)
+            iacc = T.alloc_buffer(ishape, idtype)
+            lanes = T.alloc_buffer(l8shape, l8dtype)
+            idot(res, acc, iacc, lanes, pairs, steps, offs, t, codes, scales, idx[t, j], r, M)
+            for i in T.unroll(per):
+                out[t, j, r + i] = T.Cast(dtype, res[2 * i] / (T.float32(1) + T.exp(-res[2 * i])) * res[2 * i + 1])
+
     @T.macro
     def gpu_body(x, idx, codes, scales, out, seq_len):
         for wb in outer((seq_len * K * M + threads - 1) // threads):
@@ -217,7 +246,7 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
                         u[0] = u[0] + T.Cast("float32", x[t, kk]) * _weight(fmt, codes, scales, e, M + r, kk)
                     out[t, j, r] = T.Cast(dtype, g[0] / (T.float32(1) + T.exp(-g[0])) * u[0])
 
-    body = gpu_body if gpu else cpu_body
+    body = gpu_body if gpu else x86_body if x86 else cpu_body
     if fmt == "float":
         @T.prim_func
         def kernel(x_h: T.handle, idx_h: T.handle, codes: T.Buffer(wshape, cdtype), out_h: T.handle):
@@ -241,9 +270,10 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
 
 def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt: str = "float",
              weight_dtype: str = "float32", *, scale_dtype: str = "float16", gpu: bool = False,
-             max_threads: int = 128,
+             max_threads: int = 128, int16_dot: bool = False,
              name: str = "moe_down") -> tirx.PrimFunc:
-    """y[t, r] = sum_j weight[t, j] * (h[t, j] . W[idx[t, j], r]): the down projections and the routing sum."""
+    """y[t, r] = sum_j weight[t, j] * (h[t, j] . W[idx[t, j], r]): the down projections and the routing sum.
+    `int16_dot`: as in `moe_gate_up`."""
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, M)
     wshape, sshape = weight_shapes(fmt, E, H, M)
@@ -276,6 +306,37 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
             for i in T.unroll(per):
                 out[t, r + i] = T.Cast(dtype, acc[i])
 
+    x86 = int16_dot and not gpu and expert_x86.supports(fmt, M)
+    if x86:
+        idot = expert_x86.dot(M, per, pair=1)
+        quant = expert_x86.quantize(M, lambda row: (row // K, row % K))
+        pshape, lshape8 = expert_x86.quantized_shapes(1, M)
+        (ashape, adtype), (ishape, idtype), (l8shape, l8dtype) = expert_x86.scratch(per)
+
+    @T.macro
+    def x86_body(h, idx, w, codes, scales, out, seq_len):
+        pairs = T.alloc_buffer((seq_len * K, pshape[1]), "int32")
+        steps = T.alloc_buffer((seq_len * K, lshape8[1]), "float32")
+        offs = T.alloc_buffer((seq_len * K, lshape8[1]), "float32")
+        qrow = T.alloc_buffer((M,), "int32")
+        quant(pairs, steps, offs, qrow, h, seq_len * K)
+        for item in T.parallel(seq_len * (H // per)):
+            t: T.let[T.int64] = item // (H // per)
+            r: T.let[T.int64] = item % (H // per) * per
+            acc_out = T.alloc_buffer((per,), "float32")
+            res = T.alloc_buffer((per,), "float32")
+            acc = T.alloc_buffer(ashape, adtype)
+            iacc = T.alloc_buffer(ishape, idtype)
+            lanes = T.alloc_buffer(l8shape, l8dtype)
+            for i in T.unroll(per):
+                acc_out[i] = T.float32(0)
+            for j in range(K):
+                idot(res, acc, iacc, lanes, pairs, steps, offs, t * K + j, codes, scales, idx[t, j], r, 0)
+                for i in T.unroll(per):
+                    acc_out[i] = acc_out[i] + w[t, j] * res[i]
+            for i in T.unroll(per):
+                out[t, r + i] = T.Cast(dtype, acc_out[i])
+
     @T.macro
     def gpu_body(h, idx, w, codes, scales, out, seq_len):
         for wb in outer((seq_len * H + threads - 1) // threads):
@@ -294,7 +355,7 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
                         acc[0] = acc[0] + w[t, j] * dot[0]
                     out[t, r] = T.Cast(dtype, acc[0])
 
-    body = gpu_body if gpu else cpu_body
+    body = gpu_body if gpu else x86_body if x86 else cpu_body
     if fmt == "float":
         @T.prim_func
         def kernel(h_h: T.handle, idx_h: T.handle, w_h: T.handle, codes: T.Buffer(wshape, cdtype), out_h: T.handle):

@@ -131,7 +131,7 @@ def _q8_dot(k: int, rows: int, pair: int):
     return dot
 
 
-PRESCALED = ("q4", "t2", "b1")   # formats whose dot reads x prescaled per code position (`prescale`)
+PRESCALED = ("q4", "t2", "b1")   # formats whose dot reads x in fp32 and its offset group sums (`prescale`)
 
 
 def prescaled_shape(fmt: str, rows, k: int) -> tuple:
@@ -145,11 +145,10 @@ def group_sums_shape(fmt: str, rows, k: int) -> tuple:
 
 
 def prescale(fmt: str, k: int, split):
-    """A macro pre(xp, xs, x, rows): for each activation row (x[*split(row), :k]), xp = x * 2^-(bits * i) for
-    the code at position i of its word (exact: a power of two) and xs = offset * the sum of x over each group's
-    whole words, so that a word's codes masked in place (code * 2^(bits i), no shift) times xp sum to the
-    codes times x, and a group's value is scale * (step * sum - xs) (packed.py's kernels do the same). Run
-    once per call, before the parallel loop; a no-op for formats that read x as it is."""
+    """A macro pre(xp, xs, x, rows): for each activation row (x[*split(row), :k]), xp = x in fp32 (converted
+    once, not once per output row) and xs = offset * the sum of x over each group's whole words, so that a
+    group's value is scale * (step * sum(code * x) - xs) and the offset costs nothing per weight. Run once per
+    call, before the parallel loop; a no-op for formats that read x as it is."""
     if fmt not in PRESCALED:
         @T.macro
         def nothing(xp, xs, x, rows):
@@ -168,23 +167,24 @@ def prescale(fmt: str, k: int, split):
                     xs[row, g] = xs[row, g] + T.Cast("float32", _load(x, split(row), g * spec.group + j))
                 xs[row, g] = xs[row, g] * T.float32(spec.offset)
             for kk in range(k):
-                xp[row, kk] = T.Cast("float32", _load(x, split(row), kk)) / T.Cast(
-                    "float32", T.shift_left(T.int64(1), T.Cast("int64", kk % spec.codes * spec.bits)))
+                xp[row, kk] = T.Cast("float32", _load(x, split(row), kk))
 
     return pre
 
 
-def _masked(spec, word, v: int):
-    """Vector v of a word's codes masked in place as fp32, code * 2^(bits * i) (exact); uint32 -> fp32, so
-    the top code (sign bit set) converts as the positive number it is."""
-    masks = T.shift_left(T.Broadcast(T.uint32((1 << spec.bits) - 1), LANES),
-                         T.Ramp(T.uint32(spec.bits * v * LANES), T.uint32(spec.bits), LANES))   # constants
-    return T.Cast(_VF, T.bitwise_and(T.Broadcast(word, LANES), masks))
+def _codes(spec, word, v: int):
+    """Vector v of a word's codes as fp32: each lane's field shifted down by its own amount (one variable
+    shift: AVX2 vpsrlvd, NEON ushl) and masked, then converted as int32 (0 .. 2^bits - 1: exact). Masking the
+    fields in place instead (code * 2^(bits i), no shift) needs an unsigned convert for the top field, which
+    AVX2 lacks: LLVM emulated it with 6 instructions per 8 weights (read from the host-cpu object)."""
+    shifts = T.Ramp(T.uint32(spec.bits * v * LANES), T.uint32(spec.bits), LANES)   # constants
+    fields = T.bitwise_and(T.shift_right(T.Broadcast(word, LANES), shifts), T.Broadcast(T.uint32((1 << spec.bits) - 1), LANES))
+    return T.Cast(_VF, T.Cast(f"int32x{LANES}", fields))
 
 
 def _packed_dot(spec, k: int, rows: int, pair: int, weight_at):
-    """q4 / t2 / b1: per word, codes // LANES vectors of codes masked in place against the prescaled x's
-    matching lanes (and, convert, FMA per LANES weights); per group scale * (step * sum - xs)."""
+    """q4 / t2 / b1: per word, codes // LANES vectors of codes (`_codes`: shift, and, convert) against x's
+    matching lanes (one FMA per LANES weights); per group scale * (step * sum - xs)."""
     per_word = spec.codes
     vecs = per_word // LANES                 # q4 1, t2 2, b1 4 vectors per word
     per_group = spec.group // per_word       # words per scale group
@@ -200,7 +200,7 @@ def _packed_dot(spec, k: int, rows: int, pair: int, weight_at):
         for w in T.unroll(count):
             for v in T.unroll(vecs):
                 for i in T.unroll(rows):
-                    vec[4 * i + 2 + (w * vecs + v) % 2] = vec[4 * i + 2 + (w * vecs + v) % 2] + _masked(
+                    vec[4 * i + 2 + (w * vecs + v) % 2] = vec[4 * i + 2 + (w * vecs + v) % 2] + _codes(
                         spec, codes[e, _row(r, i, stride, pair), g * per_group + w], v) * _load(
                         xp, xlead, T.Ramp((g * per_group + w) * per_word + v * LANES, 1, LANES))
         for i in T.unroll(rows):   # the offset once per group, not per lane: into the row's scalar sum

@@ -1,0 +1,133 @@
+"""The x86 (AVX2) instruction choice for the MoE expert dot products of q4 rows: integer `pmaddwd` against x
+quantized per group of 32 to int16, as the dense q4 GEMVs do (x86.py), in place of expert_rows.py's fp32 form.
+
+Why: an expert row is stored NK (a row's codes consecutive along K), so the dense kernels' KN layouts do
+not apply, and the fp32 form spends shift, and, convert and FMA per 8 weights plus a scale step per group
+and row: ~0.8 instructions per weight read from the host object, where the dense q4 GEMVs take ~0.2. That
+kept the synthetic MoE's q4f16 decode at ~0.63x the dense model with the same active weights
+(benchmarks/moe_decode.py, docs/moe.md).
+
+Here K is walked CHUNK = 64 weights (8 code words, two scale groups) at a time per row. A word's 8 codes
+sit in 4-bit fields; shifted down by 4c and masked with 0x000F000F, each int32 lane holds code c of its word
+in the low int16 half and code c + 4 in the high one, and `pmaddwd` against x's int16 pairs laid out to
+match (`quantize`: pairs[c][w] = q[8 w + c] | q[8 w + c + 4] << 16) adds both products: 4 shift / and /
+pmaddwd / add steps give each lane (one word) its exact integer sum of 8 code x q products. Lanes 0-3 are
+one scale group, 4-7 the next; one convert, a multiply by x's step per lane, the offset's share subtracted
+(7 * the group's sum of q * step / 4 per lane: its 4 lanes add up to the group's offset term) and a
+multiply-add by the row's scale per lane finish the chunk. Exact up to x's int16 steps (~1.5e-5 of a
+group's largest |x|), like the dense GEMVs; the sums of a group fit int32 (32 x 15 x 32767 < 2^31).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from pipeline.kernels.cpu.packed import INT16_MAX, NK_FORMATS
+
+CHUNK = 64                       # weights per step of a row: 8 uint32 words of 8 q4 codes, 2 scale groups
+WORDS = 8                        # int32 lanes of one AVX2 vector: one code word each
+_Q4 = NK_FORMATS["q4"]
+_FIELDS = 0x000F000F             # a code in each int16 half of a lane
+_F8, _I8, _H16 = "float32x8", "int32x8", "int16x16"
+
+
+def supports(fmt: str, k: int) -> bool:
+    """Can `dot` take rows of this format and length? (q4, K a multiple of CHUNK)."""
+    return fmt == "q4" and k % CHUNK == 0
+
+
+def quantized_shapes(rows, k: int) -> tuple[tuple, tuple]:
+    """Shapes of `quantize`'s outputs for `rows` activation rows of length k: int32 pairs, then the per-lane
+    step and offset share (float32, one per lane of each chunk)."""
+    return (rows, k // 2), (rows, k // WORDS)
+
+
+def _load(buf, lead: tuple, kk):
+    return buf[(*lead, kk)]
+
+
+def quantize(k: int, split):
+    """A macro quant(pairs, steps, offs, qrow, x, rows): each activation row x[*split(row), :k] quantized per
+    group of 32 to int16 (q = round(x * 32767 / max|x|)), laid out for `dot`: pairs[row, (4 ch + c) * 8 + w]
+    = q[64 ch + 8 w + c] | q[64 ch + 8 w + c + 4] << 16; steps[row, 4 g + l] = the group's step max|x| /
+    32767 and offs[row, 4 g + l] = 7 * sum(q over the group) * step / 4 for its 4 lanes l. qrow: an int32
+    scratch of k. Run once per call, before the parallel loop (a few thousand scalar steps)."""
+    group = _Q4.group
+
+    @T.macro
+    def quant(pairs, steps, offs, qrow, x, rows):
+        for row in range(rows):
+            for g in range(k // group):
+                big = T.alloc_buffer((1,), "float32")
+                total = T.alloc_buffer((1,), "int32")
+                big[0] = T.float32(0)
+                for j in range(group):
+                    big[0] = T.max(big[0], T.fabs(T.Cast("float32", _load(x, split(row), g * group + j))))
+                total[0] = 0
+                for j in range(group):
+                    qrow[g * group + j] = T.Cast("int32", T.round(T.Cast("float32", _load(x, split(row), g * group + j))
+                                                                  * T.if_then_else(big[0] > T.float32(0),
+                                                                                   T.float32(INT16_MAX) / big[0],
+                                                                                   T.float32(0))))
+                    total[0] = total[0] + qrow[g * group + j]
+                for lane in range(4):
+                    steps[row, 4 * g + lane] = big[0] * T.float32(1.0 / INT16_MAX)
+                    offs[row, 4 * g + lane] = T.Cast("float32", total[0] * _Q4.offset) * (
+                        big[0] * T.float32(1.0 / INT16_MAX)) * T.float32(0.25)
+            for p in range(k // 2):   # p = (4 ch + c) * 8 + w
+                pairs[row, p] = T.bitwise_or(
+                    T.bitwise_and(qrow[p // 32 * CHUNK + p % 8 * 8 + p // 8 % 4], 65535),
+                    T.shift_left(qrow[p // 32 * CHUNK + p % 8 * 8 + p // 8 % 4 + 4], 16))
+
+    return quant
+
+
+def _row(r, i, stride, pair: int):
+    return r + i % pair * stride + i // pair
+
+
+def _words(codes, e, row, ch):
+    """The 8 code words of chunk ch of row `row` of expert e (one 32-byte load)."""
+    return codes[e, row, T.Ramp(ch * WORDS, 1, WORDS)]
+
+
+def _pmadd(codes, e, row, ch, c: int, pairs, plead):
+    """pmaddwd of codes c and c + 4 of the chunk's 8 words (one per int16 half of a lane) with x's pairs."""
+    fields = T.bitwise_and(T.shift_right(_words(codes, e, row, ch), T.Broadcast(T.uint32(4 * c), WORDS)),
+                           T.Broadcast(T.uint32(_FIELDS), WORDS))
+    return T.call_llvm_pure_intrin(_I8, "llvm.x86.avx2.pmadd.wd", T.reinterpret(_H16, fields),
+                                   T.reinterpret(_H16, pairs[plead, T.Ramp((ch * 4 + c) * WORDS, 1, WORDS)]))
+
+
+def scratch(rows: int) -> tuple[tuple[tuple[int], str], ...]:
+    """(shape, dtype) of `dot`'s scratch buffers: fp32 lane sums, int32 chunk sums, 8 fp32 lanes."""
+    return ((rows,), _F8), ((rows,), _I8), ((WORDS,), "float32")
+
+
+def dot(k: int, rows: int, pair: int = 0):
+    """A macro dot(res, acc, iacc, lanes, pairs, steps, offs, plead, codes, scales, e, r, stride): res[i] = x .
+    W[e, row i, :k] for i < rows, rows as in expert_rows.expert_row_dot (`pair`), x as `quantize` left it at
+    row `plead`; acc, iacc, lanes: the caller's `scratch`."""
+    pair = pair or rows
+
+    @T.macro
+    def dot_(res, acc, iacc, lanes, pairs, steps, offs, plead, codes, scales, e, r, stride):
+        for i in T.unroll(rows):
+            acc[i] = T.Broadcast(T.float32(0), WORDS)
+        for ch in range(k // CHUNK):
+            for i in T.unroll(rows):
+                iacc[i] = _pmadd(codes, e, _row(r, i, stride, pair), ch, 0, pairs, plead)
+                for c in T.unroll(3):
+                    iacc[i] = iacc[i] + _pmadd(codes, e, _row(r, i, stride, pair), ch, c + 1, pairs, plead)
+                acc[i] = acc[i] + T.Shuffle(
+                    [T.Broadcast(T.Cast("float32", scales[e, _row(r, i, stride, pair), 2 * ch]), 4),
+                     T.Broadcast(T.Cast("float32", scales[e, _row(r, i, stride, pair), 2 * ch + 1]), 4)],
+                    list(range(WORDS))) * (T.Cast(_F8, iacc[i]) * steps[plead, T.Ramp(ch * WORDS, 1, WORDS)]
+                                           - offs[plead, T.Ramp(ch * WORDS, 1, WORDS)])
+        for i in T.unroll(rows):
+            lanes[T.Ramp(0, 1, WORDS)] = acc[i]
+            res[i] = T.float32(0)
+            for j in T.unroll(WORDS):
+                res[i] = res[i] + lanes[j]
+
+    return dot_
