@@ -112,6 +112,16 @@ def _place(**funcs):
     return {r.name: r for r in hexagon.partition(tvm.IRModule(funcs), records, NPU, vocab_size=-1)}
 
 
+def test_unsupported_class_names_the_targets_reason():
+    """An op class with no HVX kernel stays on the CPU with the target's stated reason (npu.cpu_reasons: the
+    MoE gathers), in one line."""
+    from pipeline.models.moe_kernels import moe_gate_up
+
+    rec = _place(moe_gate_up=moe_gate_up(4, 32, 64, 2, "float16", "q4"))["moe_gate_up"]
+    assert rec.on_device is False and "\n" not in rec.reason
+    assert rec.reason.startswith("op class moe-gemv not in the target's npu.op_classes: no HVX kernel"), rec.reason
+
+
 def test_failed_hvx_schedule_goes_to_cpu(monkeypatch):
     """A TVM schedule error is not swallowed: the kernel stays on the CPU with the error's first line."""
     split = s_tir.Schedule.split

@@ -198,7 +198,9 @@ def partition(mod: tvm.IRModule, records: list[Any], npu: dict[str, Any], vocab_
             out.append(replace(r, on_device=False, reason="lm_head/logits pinned to CPU (vocab x hidden "
                                                           "does not fit in VTCM)"))
         elif cls not in supported:
-            out.append(replace(r, on_device=False, reason=f"op class {cls} not in the target's npu.op_classes"))
+            why = (npu.get("cpu_reasons") or {}).get(cls)   # the target's word on why the class has no HVX kernel
+            out.append(replace(r, on_device=False, reason=f"op class {cls} not in the target's npu.op_classes"
+                                                          + (f": {why}" if why else "")))
         else:
             try:
                 kernel, rules[r.name] = hvx_kernel(func)
