@@ -5,7 +5,7 @@ objects read with llvm-objdump.
 
 Tolerances, each of the output's scale (max |reference|): against the exact float64 MoE on the dequantized
 weights within 1e-4 (fp32 activations; x held in two bytes per value, half a step of 1 / 32512 of its group's
-largest |x|: arm.py's TWO_BYTE_X_TOLERANCE) or 4 fp16 ulps (fp16 activations, android-cpu's own: the outputs
+largest |x|: test_arm_kernels' TWO_BYTE_X_TOLERANCE) or 4 fp16 ulps (fp16 activations, android-cpu's own: the outputs
 are rounded to fp16); against test_arm_kernels' emulation of the kernels' arithmetic (x rounded per group of
 32 exactly as arm.py rounds it, exact integer group sums) within 1e-5 (fp32); bit-identical with 1 and 4 tasks
 per parallel loop. Formats and K the sdot dot does not take (here t3) keep the fp32 form: no sdot in their
