@@ -321,13 +321,13 @@ def test_avx2_int16_expert_dot_matches_numpy(shape):
     dn_args, down = _stored("q4", (rng.standard_normal((E, H, M)) * 0.1).astype(np.float32))
     idx = np.array([[2, 0], [1, 2]], np.int32)
     w = np.array([[0.7, 0.3], [0.4, 0.6]], np.float32)
-    act, = _run(moe_gate_up(E, M, H, k, "float32", "q4", int16_dot=True), [x, idx, *gu_args],
+    act, = _run(moe_gate_up(E, M, H, k, "float32", "q4", expert_dot="avx2"), [x, idx, *gu_args],
                 [((n, k, M), "float32")], host)
     g = np.einsum("th,tjmh->tjm", x.astype(np.float64), gate_up[idx, :M])
     u = np.einsum("th,tjmh->tjm", x.astype(np.float64), gate_up[idx, M:])
     want_act = g / (1 + np.exp(-g)) * u
     assert np.abs(act - want_act).max() <= 2e-4 * np.abs(want_act).max()
-    y, = _run(moe_down(E, H, M, k, "float32", "q4", int16_dot=True), [act, idx, w, *dn_args], [((n, H), "float32")],
+    y, = _run(moe_down(E, H, M, k, "float32", "q4", expert_dot="avx2"), [act, idx, w, *dn_args], [((n, H), "float32")],
               host)
     want_y = np.einsum("tj,tjm,tjhm->th", w.astype(np.float64), act.astype(np.float64), down[idx])
     assert np.abs(y - want_y).max() <= (2e-4 if M % 64 == 0 else 1e-5) * np.abs(want_y).max()

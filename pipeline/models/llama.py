@@ -22,7 +22,7 @@ from pipeline.kernels.cpu.argmax import argmax_kernel
 from pipeline.kernels.cpu.rope import rope_args
 from pipeline.models.engine_table import EngineFunctions
 from pipeline.models.layers import LayerFactory
-from pipeline.models.moe import SparseMoE, expert_int16_dot, gpu_info
+from pipeline.models.moe import SparseMoE, expert_dot, gpu_info
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -193,7 +193,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=make.dtype)
         if cfg.sparse(layer_id):
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                                 cfg.norm_topk_prob, make, *gpu_info(target), int16_dot=expert_int16_dot(target))
+                                 cfg.norm_topk_prob, make, *gpu_info(target), expert_dot=expert_dot(target))
         else:
             self.mlp = MLP(cfg, make)
 

@@ -20,7 +20,7 @@ from tvm.relax.frontend.nn import Tensor, op
 
 from pipeline.errors import ConfigError
 from pipeline.formats import FORMAT_BITS, GROUP, PACKINGS
-from pipeline.kernels.cpu.probe import has_avx2
+from pipeline.kernels.cpu.probe import has_avx2, has_dotprod
 from pipeline.models.layers import FloatLinear, LayerFactory
 from pipeline.models.moe_grouped import moe_grouped_down, moe_grouped_gate_up, moe_sort
 from pipeline.models.moe_grouped_gpu import moe_grouped_down_gpu, moe_grouped_gate_up_gpu, moe_sort_gpu
@@ -45,9 +45,15 @@ def gpu_info(target: Any) -> tuple[bool, int]:
     return True, int(min(int(threads), 128))
 
 
-def expert_int16_dot(target: Any) -> bool:
-    """Do the CPU expert kernels take the AVX2 integer dot (kernels/cpu/expert_x86.py) on this target?"""
-    return has_avx2(target)
+def expert_dot(target: Any) -> str | None:
+    """The integer dot the CPU expert kernels take on this target (moe_kernels.EXPERT_DOTS): "avx2" (x86 with
+    AVX2: kernels/cpu/expert_x86.py's pmaddwd), "dotprod" (AArch64 with dotprod, android-cpu and the CPU half of
+    android-hexagon: kernels/cpu/expert_arm.py's sdot), else None (the fp32 form; GPU targets never ask)."""
+    if has_avx2(target):
+        return "avx2"
+    if has_dotprod(target):
+        return "dotprod"
+    return None
 
 
 class StackedExperts(nn.Module):
@@ -117,11 +123,11 @@ class SparseMoE(nn.Module):
     """Router + top-k routed experts (+ a gated shared expert when `shared_inter` > 0)."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, inter: int, norm_topk: bool, make: LayerFactory,
-                 gpu: bool, max_threads: int, shared_inter: int = 0, int16_dot: bool = False):
+                 gpu: bool, max_threads: int, shared_inter: int = 0, expert_dot: str | None = None):
         self.hidden, self.num_experts, self.top_k, self.inter = hidden, experts, top_k, inter
         self.norm_topk, self.dtype = norm_topk, make.dtype
         self.gpu, self.threads = gpu, max_threads
-        self.int16_dot = int16_dot    # an AVX2 CPU target: q4 expert rows take kernels/cpu/expert_x86.py's dot
+        self.expert_dot = expert_dot  # a CPU target's integer expert dot ("avx2" / "dotprod", `expert_dot`) or None
         self.gate = FloatLinear(hidden, experts, False, make.weight_dtype)
         self.experts = ExpertsPair(experts, hidden, inter, make)
         if shared_inter:
@@ -153,7 +159,7 @@ class SparseMoE(nn.Module):
     def _gathered(self, flat: Tensor, idx: Tensor, weight: Tensor, n: Any) -> Tensor:
         """Each token's k experts on their own (moe_kernels): decode."""
         E, k, inter, h, dtype = self.num_experts, self.top_k, self.inter, self.hidden, self.dtype
-        kw = dict(gpu=self.gpu, max_threads=self.threads, int16_dot=self.int16_dot)
+        kw = dict(gpu=self.gpu, max_threads=self.threads, expert_dot=self.expert_dot)
         gu, down = self.experts.gate_up_proj, self.experts.down_proj
         gate_up_kernel = moe_gate_up(E, inter, h, k, dtype, gu.fmt, gu.dtype, scale_dtype=gu.scale_dtype, **kw)
         down_kernel = moe_down(E, h, inter, k, dtype, down.fmt, down.dtype, scale_dtype=down.scale_dtype, **kw)

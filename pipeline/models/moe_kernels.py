@@ -21,8 +21,11 @@ each token gathers its own k experts (CPU prefill groups tokens by expert: moe_g
 one work item per output element, a serial fp32 dot product over K, bound to blockIdx / threadIdx and
 marked scheduled (dlight leaves it alone; a GPU work item reads its own weight row, so neighbouring threads
 do not coalesce). Else a ``parallel`` loop over work items of ROWS_PER_ITEM output rows, each dot product
-vectorised (kernels/cpu/expert_rows.py: LANES weights per step, x converted once per call; q4 rows on an AVX2
-target: kernels/cpu/expert_x86.py's integer dot, x quantized to int16 once per call).
+vectorised (kernels/cpu/expert_rows.py: LANES weights per step, x converted once per call), or an integer dot
+chosen by `expert_dot` (models/moe.expert_dot decides it from the target): "avx2", q4 rows take
+kernels/cpu/expert_x86.py's `pmaddwd` dot, x quantized to int16 once per call; "dotprod" (AArch64), q4 / q8
+rows take kernels/cpu/expert_arm.py's `sdot` dot, x quantized to two bytes once per call as the dense sdot
+GEMVs quantize it. Other formats and K keep the fp32 form.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from pipeline.formats import CODES_PER_WORD, FORMATS, GROUP, PACKINGS, SIGN_GROUP, ZERO, n_groups, packed_len
-from pipeline.kernels.cpu import expert_x86
+from pipeline.kernels.cpu import expert_arm, expert_x86
 from pipeline.kernels.cpu.expert_rows import (
     expert_row_dot,
     group_sums_shape,
@@ -47,6 +50,17 @@ from pipeline.models.layers import sign_code
 __all__ = ["moe_down", "moe_gate_up", "moe_reference", "moe_route"]
 
 WEIGHT_FORMATS = ("float", "q4", "q8", *PACKINGS)
+EXPERT_DOTS = ("avx2", "dotprod")   # integer expert dots by instruction set (None: the fp32 form)
+
+
+def _integer_dot(expert_dot: str | None, gpu: bool, fmt: str, k: int) -> str | None:
+    """The integer dot a CPU kernel of rows `fmt` x k takes for `expert_dot`, or None (the fp32 form)."""
+    if expert_dot not in (None, *EXPERT_DOTS):
+        raise ValueError(f"expert_dot {expert_dot!r} is not one of {EXPERT_DOTS} or None")
+    if gpu or expert_dot is None:
+        return None
+    module = expert_x86 if expert_dot == "avx2" else expert_arm
+    return expert_dot if module.supports(fmt, k) else None
 
 
 def _loops(gpu: bool, threads: int):
@@ -171,10 +185,11 @@ def moe_route(experts: int, top_k: int, norm_topk: bool, *, gpu: bool = False, m
 
 def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, fmt: str = "float",
                 weight_dtype: str = "float32", *, scale_dtype: str = "float16", gpu: bool = False,
-                max_threads: int = 128, int16_dot: bool = False,
+                max_threads: int = 128, expert_dot: str | None = None,
                 name: str = "moe_gate_up") -> tirx.PrimFunc:
     """h[t, j, r] = silu(x[t] . W[idx[t, j], r]) * (x[t] . W[idx[t, j], inter + r]) for the k selected experts.
-    `int16_dot` (a CPU target with AVX2): q4 rows take expert_x86.py's pmaddwd dot where it applies."""
+    `expert_dot` (a CPU target's integer dot, models/moe.expert_dot): "avx2" q4 rows take expert_x86.py's
+    pmaddwd dot, "dotprod" q4 / q8 rows expert_arm.py's sdot dot, where they apply."""
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, H)
     wshape, sshape = weight_shapes(fmt, E, 2 * M, H)
@@ -202,8 +217,8 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
             for i in T.unroll(per):
                 out[t, j, r + i] = T.Cast(dtype, res[2 * i] / (T.float32(1) + T.exp(-res[2 * i])) * res[2 * i + 1])
 
-    x86 = int16_dot and not gpu and expert_x86.supports(fmt, H)
-    if x86:
+    integer = _integer_dot(expert_dot, gpu, fmt, H)
+    if integer == "avx2":
         idot = expert_x86.dot(H, 2 * per, pair=2)
         quant = expert_x86.quantize(H, lambda row: (row,))
         pshape, lshape8 = expert_x86.quantized_shapes(1, H)
@@ -228,6 +243,29 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
             for i in T.unroll(per):
                 out[t, j, r + i] = T.Cast(dtype, res[2 * i] / (T.float32(1) + T.exp(-res[2 * i])) * res[2 * i + 1])
 
+    if integer == "dotprod":
+        adot = expert_arm.dot(fmt, H, 2 * per, pair=2)
+        aquant = expert_arm.quantize(fmt, H, lambda row: (row,))
+        (xqshape, dshape, bshape) = expert_arm.quantized_shapes(fmt, 1, H)
+        ((accshape, accdtype),) = expert_arm.scratch(2 * per)
+
+    @T.macro
+    def arm_body(x, idx, codes, scales, out, seq_len):
+        xq = T.alloc_buffer((seq_len, *xqshape[1:]), "int8")
+        d = T.alloc_buffer((seq_len, dshape[1]), "float32")
+        base = T.alloc_buffer((seq_len, bshape[1]), "int32")
+        aquant(xq, d, base, x, seq_len)
+        for item in T.parallel(seq_len * K * (M // per)):
+            t: T.let[T.int64] = item // (K * (M // per))
+            j: T.let[T.int64] = item // (M // per) % K
+            r: T.let[T.int64] = item % (M // per) * per
+            res = T.alloc_buffer((2 * per,), "float32")
+            acc = T.alloc_buffer(accshape, accdtype)
+            e: T.let[T.int32] = idx[t, j]
+            adot(res, acc, xq, d, base, t, codes, scales, e, r, M)
+            for i in T.unroll(per):
+                out[t, j, r + i] = T.Cast(dtype, res[2 * i] / (T.float32(1) + T.exp(-res[2 * i])) * res[2 * i + 1])
+
     @T.macro
     def gpu_body(x, idx, codes, scales, out, seq_len):
         for wb in outer((seq_len * K * M + threads - 1) // threads):
@@ -246,7 +284,7 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
                         u[0] = u[0] + T.Cast("float32", x[t, kk]) * _weight(fmt, codes, scales, e, M + r, kk)
                     out[t, j, r] = T.Cast(dtype, g[0] / (T.float32(1) + T.exp(-g[0])) * u[0])
 
-    body = gpu_body if gpu else x86_body if x86 else cpu_body
+    body = gpu_body if gpu else {"avx2": x86_body, "dotprod": arm_body, None: cpu_body}[integer]
     if fmt == "float":
         @T.prim_func
         def kernel(x_h: T.handle, idx_h: T.handle, codes: T.Buffer(wshape, cdtype), out_h: T.handle):
@@ -270,10 +308,10 @@ def moe_gate_up(experts: int, inter: int, hidden: int, top_k: int, dtype: str, f
 
 def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt: str = "float",
              weight_dtype: str = "float32", *, scale_dtype: str = "float16", gpu: bool = False,
-             max_threads: int = 128, int16_dot: bool = False,
+             max_threads: int = 128, expert_dot: str | None = None,
              name: str = "moe_down") -> tirx.PrimFunc:
     """y[t, r] = sum_j weight[t, j] * (h[t, j] . W[idx[t, j], r]): the down projections and the routing sum.
-    `int16_dot`: as in `moe_gate_up`."""
+    `expert_dot`: as in `moe_gate_up`."""
     E, M, H, K = int(experts), int(inter), int(hidden), int(top_k)
     _check(fmt, M)
     wshape, sshape = weight_shapes(fmt, E, H, M)
@@ -306,8 +344,8 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
             for i in T.unroll(per):
                 out[t, r + i] = T.Cast(dtype, acc[i])
 
-    x86 = int16_dot and not gpu and expert_x86.supports(fmt, M)
-    if x86:
+    integer = _integer_dot(expert_dot, gpu, fmt, M)
+    if integer == "avx2":
         idot = expert_x86.dot(M, per, pair=1)
         quant = expert_x86.quantize(M, lambda row: (row // K, row % K))
         pshape, lshape8 = expert_x86.quantized_shapes(1, M)
@@ -337,6 +375,35 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
             for i in T.unroll(per):
                 out[t, r + i] = T.Cast(dtype, acc_out[i])
 
+    if integer == "dotprod":   # 4 rows per item where H allows: one vector of 4 rows' sums (expert_arm.dot)
+        aper = 4 if H % 4 == 0 else per
+        adot = expert_arm.dot(fmt, M, aper, pair=1)
+        aquant = expert_arm.quantize(fmt, M, lambda row: (row // K, row % K))
+        (xqshape, dshape, bshape) = expert_arm.quantized_shapes(fmt, 1, M)
+        ((accshape, accdtype),) = expert_arm.scratch(aper)
+
+    @T.macro
+    def arm_body(h, idx, w, codes, scales, out, seq_len):
+        xq = T.alloc_buffer((seq_len * K, *xqshape[1:]), "int8")
+        d = T.alloc_buffer((seq_len * K, dshape[1]), "float32")
+        base = T.alloc_buffer((seq_len * K, bshape[1]), "int32")
+        aquant(xq, d, base, h, seq_len * K)
+        for item in T.parallel(seq_len * (H // aper)):
+            t: T.let[T.int64] = item // (H // aper)
+            r: T.let[T.int64] = item % (H // aper) * aper
+            acc_out = T.alloc_buffer((aper,), "float32")
+            res = T.alloc_buffer((aper,), "float32")
+            acc = T.alloc_buffer(accshape, accdtype)
+            for i in T.unroll(aper):
+                acc_out[i] = T.float32(0)
+            for j in range(K):
+                e: T.let[T.int32] = idx[t, j]
+                adot(res, acc, xq, d, base, t * K + j, codes, scales, e, r, 0)
+                for i in T.unroll(aper):
+                    acc_out[i] = acc_out[i] + w[t, j] * res[i]
+            for i in T.unroll(aper):
+                out[t, r + i] = T.Cast(dtype, acc_out[i])
+
     @T.macro
     def gpu_body(h, idx, w, codes, scales, out, seq_len):
         for wb in outer((seq_len * H + threads - 1) // threads):
@@ -355,7 +422,7 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
                         acc[0] = acc[0] + w[t, j] * dot[0]
                     out[t, r] = T.Cast(dtype, acc[0])
 
-    body = gpu_body if gpu else x86_body if x86 else cpu_body
+    body = gpu_body if gpu else {"avx2": x86_body, "dotprod": arm_body, None: cpu_body}[integer]
     if fmt == "float":
         @T.prim_func
         def kernel(h_h: T.handle, idx_h: T.handle, w_h: T.handle, codes: T.Buffer(wshape, cdtype), out_h: T.handle):

@@ -46,7 +46,7 @@ from pipeline.models.llama import (
     greedy_token,
     kv_cache_spec,
 )
-from pipeline.models.moe import SparseMoE, expert_int16_dot, gpu_info
+from pipeline.models.moe import SparseMoE, expert_dot, gpu_info
 from pipeline.models.recurrent_state import RecurrentState
 
 
@@ -404,7 +404,7 @@ class GatedDeltaNet(nn.Module):
 
 class HybridLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, make: LayerFactory, layer_id: int, gpu: bool, max_threads: int,
-                 int16_dot: bool = False):
+                 expert_dot: str | None = None):
         eps = cfg.rms_norm_eps
         self.kind = cfg.layer_types[layer_id]
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps, make.dtype)
@@ -416,7 +416,7 @@ class HybridLayer(nn.Module):
         if cfg.num_experts:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                                  True, make, gpu, max_threads, shared_inter=cfg.shared_expert_intermediate_size,
-                                 int16_dot=int16_dot)
+                                 expert_dot=expert_dot)
         else:
             self.mlp = MLP(cfg, make)
 
@@ -431,9 +431,10 @@ class HybridLayer(nn.Module):
 
 
 class HybridBackbone(nn.Module):
-    def __init__(self, cfg: HybridConfig, make: LayerFactory, gpu: bool, max_threads: int, int16_dot: bool = False):
+    def __init__(self, cfg: HybridConfig, make: LayerFactory, gpu: bool, max_threads: int,
+                 expert_dot: str | None = None):
         self.embed_tokens = make.embedding(cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
-        self.layers = nn.ModuleList([HybridLayer(cfg, make, i, gpu, max_threads, int16_dot)
+        self.layers = nn.ModuleList([HybridLayer(cfg, make, i, gpu, max_threads, expert_dot)
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, make.dtype)
 
@@ -454,7 +455,7 @@ class HybridLM(DecoderLM):
         self.cfg, self.dtype, self.target = cfg, make.dtype, target
         self.kv_dtype = make.kv_cache_dtype
         gpu, threads = gpu_info(target)
-        self.model = HybridBackbone(cfg, make, gpu, threads, expert_int16_dot(target))
+        self.model = HybridBackbone(cfg, make, gpu, threads, expert_dot(target))
         if not cfg.tie_word_embeddings:
             self.lm_head = make.linear(cfg.hidden_size, cfg.vocab_size, bias=False, role="lm_head")
 

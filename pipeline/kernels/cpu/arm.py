@@ -75,14 +75,17 @@ def _check(spec: PackedFormat, n: int, k: int) -> None:
     assert k % (64 if spec.bits <= 2 else spec.group) == 0, (spec, k)
 
 
-def quantize_row_macro(group: int, k: int, x_bytes: int, offset: int, position):
+def quantize_row_macro(group: int, k: int, x_bytes: int, offset: int, position, load=None):
     """A TIR macro quantize_row(x, xq, d, base, r): row r of x in integer steps of its blocks of `group` values
     (the last one may be shorter), value j of block g stored at xq[r, b, position(g, j)] (a kernel's own
     layout; two bytes: b = 0 the high bytes, 1 the low), each block's step d[r, g] and its offset term
-    base[r, 4 g .. 4 g + 3] = [-offset * sum(q), 0, 0, 0]. One rounding for every sdot kernel of this module
-    and arm_t3.py."""
+    base[r, 4 g .. 4 g + 3] = [-offset * sum(q), 0, 0, 0]. One rounding for every sdot kernel of this module,
+    arm_t3.py and expert_arm.py. `load(x, r, kk)`: value kk of row r (default x[0, r, kk]: a GEMV's [1, m, k])."""
     groups = -(-k // group)
     q_max = Q_MAX[x_bytes]
+    if load is None:
+        def load(x, r, kk):
+            return x[0, r, kk]
 
     @T.macro
     def quantize_row(x, xq, d, base, r):
@@ -91,11 +94,11 @@ def quantize_row_macro(group: int, k: int, x_bytes: int, offset: int, position):
             total = T.alloc_buffer((1,), "int32")
             amax[0] = T.float32(0)
             for j in range(T.min(group, k - g * group)):
-                amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", x[0, r, g * group + j])))
+                amax[0] = T.max(amax[0], T.fabs(T.Cast("float32", load(x, r, g * group + j))))
             d[r, g] = amax[0] * T.float32(1.0 / q_max)
             total[0] = 0
             for j in range(T.min(group, k - g * group)):
-                q: T.let[T.int32] = T.Cast("int32", T.round(T.Cast("float32", x[0, r, g * group + j]) * T.if_then_else(
+                q: T.let[T.int32] = T.Cast("int32", T.round(T.Cast("float32", load(x, r, g * group + j)) * T.if_then_else(
                     amax[0] > T.float32(0), T.float32(q_max) / amax[0], T.float32(0))))
                 if x_bytes == 2:    # static; arithmetic shift: hi = floor((q + 128) / 256) in [-127, 127]
                     xq[r, 0, position(g, j)] = T.Cast("int8", T.shift_right(q + 128, 8))
