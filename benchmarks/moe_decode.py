@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
               "same_tokens": {name: tokens[name] == tokens[base] for name in tokens for base in folders
                               if name != base and name.startswith(base)}}
     result["moe_over_dense"] = round(result["tok_s"]["moe"] / result["tok_s"]["dense"], 3)
+    # the ratio within each round (MoE and dense timed back to back), its median: robust to the machine's
+    # speed drifting between rounds, which moves both medians above but not always together
+    result["moe_over_dense_paired"] = round(statistics.median(
+        m / d for m, d in zip(speeds["moe"], speeds["dense"], strict=True)), 3)
     print(json.dumps(result, indent=1))
     return 0
 
