@@ -127,6 +127,7 @@ def assert_close(got, want, what, rel=1e-3):
     assert diff <= rel * scale, f"{what}: max |Δ| {diff:.3g} > {rel} × logit scale {scale:.3g}"
 
 
+@pytest.mark.slow     # ~46 s: `make test-slow`
 def test_hybrid_regions_with_views_are_bit_identical(random_model, build_bundle, tmp_path):
     """The hybrid decode's regions run through its reshapes (q / k / v to heads, the GDN state's shapes) as
     views of the same memory; the same library without the merge gives the same logits to the bit."""

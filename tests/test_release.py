@@ -294,7 +294,7 @@ def _check_sums(out: Path) -> None:
 
 # --------------------------------------------------------------------------- the default model, twice
 @pytest.mark.parametrize("targets", [
-    ["android-cpu"],                                                      # ~45 s alone
+    pytest.param(["android-cpu"], marks=pytest.mark.slow),                # ~45-52 s alone
     pytest.param(["host-cpu", "android-cpu"], marks=pytest.mark.slow),    # ~90 s alone
 ])
 def test_release_of_default_model_is_reproducible(tmp_path, dist_dir, targets):
