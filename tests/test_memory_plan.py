@@ -84,6 +84,10 @@ def test_qwen27b_q4_weights_and_phone(qwen27b):
     assert memory_plan(qwen27b, quant="q4f16", phone=big_phone)["contexts"][0]["fits"] is True
     md = plan_markdown(plan)
     assert "| embedding |" in md and "64 KiB" in md and "predicted tok/s" in md and "**predictions**" in md
+    # a GPU target's phone entry may name a CPU class (configs/phones.yaml) its library was not built for: no
+    # class line (the 35B's QUANT=auto PHONE=android-16gb adreno build once failed here with a KeyError)
+    named = plan_markdown(memory_plan(qwen27b, quant="q4f16", phone=dict(PHONE_8G3, cpu_class="i8mm")))
+    assert "CPU library built for class" not in named
 
 
 def test_qwen32b(qwen32b):

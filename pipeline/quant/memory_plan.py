@@ -546,7 +546,8 @@ def plan_markdown(plan: dict) -> str:
             + (" Mixture of experts: bytes/token counts the active weights (the k chosen experts, above), not the "
                "stored ones." if plan.get("moe") else "")
             + (f" CPU library built for class {phone['cpu_class']}: {phone['cpu_class_description']}."
-               if phone.get("cpu_class") else ""),
+               if phone.get("cpu_class_description") else ""),   # CPU targets only: a GPU target's phone
+            # entry may name a class (configs/phones.yaml) that its library was not built for
             "",
             "| context | KV cache | total RAM | fits | bytes/token | predicted tok/s | roofline tok/s |",
             "|---:|---:|---:|---|---:|---:|---:|",
