@@ -200,23 +200,20 @@ def link_harness(bundle: Path, threads: int, folder: Path) -> tuple[Path, str, l
     return exe, info["system_lib_prefix"], [(lo, hi), *helpers[:255]]
 
 
-def count_call(exe: Path, prefix: str, ranges, call: Call) -> qc.Counts:
-    """One run of the kernel in the harness under the plugin (inputs from files, outputs not written back)."""
-    from pipeline.verify.qemu_aarch64 import _DL_CODES, SYMBOL_PREFIX
+def count_kernel(exe: Path, symbol: str, args: list, ranges, env: dict | None = None) -> qc.Counts:
+    """One run of kernel `symbol` (its name with the library prefix) in the harness under the plugin (inputs
+    from files, outputs not written back)."""
+    from pipeline.verify.qemu_aarch64 import SYMBOL_PREFIX, write_args
 
     with tempfile.TemporaryDirectory(prefix="phone-cpu-") as tmp:
-        lines = []
-        for i, arg in enumerate(call.args):
-            if isinstance(arg, np.ndarray):
-                path = Path(tmp) / f"in{i}.bin"
-                path.write_bytes(np.ascontiguousarray(arg).tobytes())
-                lines.append(f"T {_DL_CODES[arg.dtype.kind]} {arg.dtype.itemsize * 8} {arg.ndim} "
-                             f"{' '.join(map(str, arg.shape))} {path} -")
-            else:
-                lines.append(f"I {int(arg)}")
-        (Path(tmp) / "args.txt").write_text("\n".join(lines) + "\n")
-        counts, _ = qc.run([exe, "call", SYMBOL_PREFIX + prefix + call.name, Path(tmp) / "args.txt"], ranges)
+        args_file, _ = write_args(Path(tmp), args, write_back=False)
+        counts, _ = qc.run([exe, "call", SYMBOL_PREFIX + symbol, args_file], ranges, env=env)
     return counts
+
+
+def count_call(exe: Path, prefix: str, ranges, call: Call) -> qc.Counts:
+    """One run of the step's kernel `call` (see count_kernel)."""
+    return count_kernel(exe, prefix + call.name, call.args, ranges)
 
 
 def measure_step(exe: Path, prefix: str, ranges, calls: list[Call], log=print) -> dict:

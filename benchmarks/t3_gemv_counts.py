@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import qemu_counter as qc
+from benchmarks.phone_cpu_ours import count_kernel
 from benchmarks.phone_cpu_whole import extended_ranges
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
@@ -49,19 +50,8 @@ def inputs(name: str, n: int, k: int, rng) -> list[np.ndarray]:
 
 
 def count(exe: Path, name: str, args: list[np.ndarray], ranges) -> qc.Counts:
-    from pipeline.verify.qemu_aarch64 import _DL_CODES, SYMBOL_PREFIX
-
-    with tempfile.TemporaryDirectory(prefix="t3-count-") as tmp:
-        lines = []
-        for i, arg in enumerate(args):
-            path = Path(tmp) / f"in{i}.bin"
-            path.write_bytes(np.ascontiguousarray(arg).tobytes())
-            lines.append(f"T {_DL_CODES[arg.dtype.kind]} {arg.dtype.itemsize * 8} {arg.ndim} "
-                         f"{' '.join(map(str, arg.shape))} {path} -")
-        (Path(tmp) / "args.txt").write_text("\n".join(lines) + "\n")
-        counts, _ = qc.run([exe, "call", SYMBOL_PREFIX + name, Path(tmp) / "args.txt"], ranges,
-                           env={"HARNESS_TASKS": "1", "PATH": "/usr/bin:/bin"})
-    return counts
+    """One single-task run of kernel `name` under the counting plugin."""
+    return count_kernel(exe, name, args, ranges, env={"HARNESS_TASKS": "1", "PATH": "/usr/bin:/bin"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,20 +78,8 @@ class AArch64Kernels:
         """Run kernel `name` on copies of `args` (numpy arrays / ints); returns them with the outputs filled."""
         with tempfile.TemporaryDirectory(prefix="qemu-kernel-") as tmp:
             folder = Path(tmp)
-            lines, results = [], []
-            for i, arg in enumerate(args):
-                if isinstance(arg, np.ndarray):
-                    arr = np.ascontiguousarray(arg)
-                    src, dst = folder / f"in{i}.bin", folder / f"out{i}.bin"
-                    src.write_bytes(arr.tobytes())
-                    code = _DL_CODES[arr.dtype.kind]
-                    lines.append(f"T {code} {arr.dtype.itemsize * 8} {arr.ndim} {' '.join(map(str, arr.shape))} "
-                                 f"{src} {dst}")
-                    results.append((i, arr, dst))
-                else:
-                    lines.append(f"I {int(arg)}")
-            (folder / "args.txt").write_text("\n".join(lines) + "\n")
-            done = self._run("call", SYMBOL_PREFIX + self.prefix + name, str(folder / "args.txt"))
+            args_file, results = write_args(folder, args, write_back=True)
+            done = self._run("call", SYMBOL_PREFIX + self.prefix + name, str(args_file))
             if done.returncode != 0:
                 raise RuntimeError(f"{name} failed under qemu-aarch64 (exit {done.returncode}): "
                                    f"{done.stderr.strip()[-300:]}")
@@ -99,6 +87,24 @@ class AArch64Kernels:
             for i, arr, dst in results:
                 out[i] = np.frombuffer(dst.read_bytes(), dtype=arr.dtype).reshape(arr.shape).copy()
             return out
+
+
+def write_args(folder: Path, args: list, write_back: bool) -> tuple[Path, list]:
+    """The harness's argument file for `args` (numpy arrays / ints) in `folder`: (its path, [(index, array, output
+    file)] for the arrays, whose outputs the harness writes back only when `write_back`)."""
+    lines, results = [], []
+    for i, arg in enumerate(args):
+        if isinstance(arg, np.ndarray):
+            arr = np.ascontiguousarray(arg)
+            src, dst = folder / f"in{i}.bin", folder / f"out{i}.bin"
+            src.write_bytes(arr.tobytes())
+            lines.append(f"T {_DL_CODES[arr.dtype.kind]} {arr.dtype.itemsize * 8} {arr.ndim} "
+                         f"{' '.join(map(str, arr.shape))} {src} {dst if write_back else '-'}")
+            results.append((i, arr, dst))
+        else:
+            lines.append(f"I {int(arg)}")
+    (folder / "args.txt").write_text("\n".join(lines) + "\n")
+    return folder / "args.txt", results
 
 
 def _link_error(stderr: str) -> str:
