@@ -15,6 +15,9 @@ RUN_TARGET ?= host-cpu
 RUN_QUANT  ?= q4f16
 MAX_NEW_TOKENS ?= 64
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (a file's tests stay on one worker, so its module fixtures build once);
+# 2 = the CI machine's cores; 0 runs in one process.
+TEST_WORKERS ?= 2
 RPC     ?=
 TRIALS  ?= 32
 KERNELS ?=
@@ -109,7 +112,7 @@ release-matrix: $(STAMP)
 	@cat $(MATRIX)
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Long-running tests (`@pytest.mark.slow`: full uncached builds, resumes, crash isolation); pytest's exit 5 ("no tests collected") is not a failure here.
 test-slow: $(STAMP) system-deps
