@@ -93,7 +93,7 @@ system-deps:
 	fi
 
 build: $(STAMP)
-	$(PY) -m pipeline build --model "$$MODEL" --target "$$TARGET" --quant "$$QUANT" --out "$$OUT" $(if $(PHONE),--phone "$$PHONE") $(if $(FORCE_CPU),--force-cpu "$$FORCE_CPU") $(if $(filter 1,$(VERIFY)),--verify)$(if $(filter 0,$(VERIFY)),--no-verify) $(if $(filter 1,$(OCLGRIND)),--oclgrind) $(if $(CALIB),--calibration "$$CALIB") $(if $(KV),--kv-cache "$$KV")
+	$(PY) -m pipeline build --model "$$MODEL" --target "$$TARGET" --quant "$$QUANT" --out "$$OUT" $(if $(PHONE),--phone "$$PHONE") $(if $(FORCE_CPU),--force-cpu "$$FORCE_CPU") $(if $(filter 1,$(VERIFY)),--verify)$(if $(filter 0,$(VERIFY)),--no-verify) $(if $(filter 1,$(OCLGRIND)),--oclgrind)$(if $(filter 0,$(OCLGRIND)),--no-oclgrind) $(if $(CALIB),--calibration "$$CALIB") $(if $(KV),--kv-cache "$$KV")
 
 run: $(STAMP)
 	$(PY) -m pipeline build --model "$$MODEL" --target "$$RUN_TARGET" --quant "$$RUN_QUANT" --out "$$OUT"

@@ -20,13 +20,14 @@ from pipeline.progress import Reporter
 def _build(args) -> int:
     from pipeline.stages import run_pipeline
 
-    if args.oclgrind and args.verify is False:
-        raise ConfigError("--oclgrind runs after the PoCL verification that --no-verify turns off",
+    if args.oclgrind is not None and args.verify is False:
+        raise ConfigError("--oclgrind / --no-oclgrind choose what runs after the PoCL verification that --no-verify "
+                          "turns off",
                           fix="drop one of them")
     report = Reporter()
     result = run_pipeline(args.model, args.target, args.quant, weights=args.weights, out=args.out,
                           report=report, phone=args.phone, force_cpu=args.force_cpu,
-                          verify="oclgrind" if args.oclgrind else args.verify,
+                          verify={True: "oclgrind", False: "no-oclgrind"}.get(args.oclgrind, args.verify),
                           calibration=args.calibration, kv_cache=args.kv_cache, runtime=args.runtime)
     how = "cache hit, nothing rebuilt" if result.cached else "built"
     report.console.print(f"[bold]{result.bundle}[/] — {how} in {result.seconds:.1f} s"
@@ -125,9 +126,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="run the GPU kernels on PoCL vs LLVM during the build (default: the target's "
                         "verify_kernels; on for android-adreno)")
-    b.add_argument("--oclgrind", action="store_true",
+    b.add_argument("--oclgrind", action=argparse.BooleanOptionalAction, default=None,
                    help="after the PoCL run, run the same kernels under Oclgrind (data races, out-of-bounds, "
-                        "uninitialised reads; minutes): the verdict is printed and in reports/coverage.md")
+                        "uninitialised reads): the verdict is printed and in reports/coverage.md. Default: the "
+                        "kernels up to a size cap where Oclgrind is installed; --oclgrind: all (minutes); "
+                        "--no-oclgrind: none")
     b.set_defaults(func=_build)
     r = sub.add_parser("run", help="chat with a host-cpu bundle on this computer")
     r.add_argument("bundle")

@@ -278,7 +278,8 @@ def build(loaded: Loaded, defined: Defined, quant: QuantSpec, target: TargetSpec
     """fuse + tune + compile, cached by a key over everything the library depends on.
 
     `force_cpu`: comma-separated op classes pinned to the CPU on top of the target's `force_cpu`.
-    `verify`: run the kernels on PoCL (None: the target's `verify_kernels`; "oclgrind": then under Oclgrind)."""
+    `verify`: run the kernels on PoCL (None: the target's `verify_kernels`; see execution.verify_mode for
+    "oclgrind" / "no-oclgrind" and the default quick Oclgrind pass)."""
     meta = defined.module.metadata(quant.name, defined.params)
     meta["activation_dtype"] = defined.activation_dtype
     meta["weight_layout"] = defined.layout
@@ -510,8 +511,8 @@ def run_pipeline(model: str, target: str, quant: str, *, weights: str | None = N
                  runtime: str | None = None) -> BuildResult:
     """`phone`: a configs/phones.yaml name (or a dict) replacing the target's phone for memory planning
     and QUANT=auto. `force_cpu`: comma-separated op classes pinned to the CPU (see force_cpu.py).
-    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`; "oclgrind": PoCL,
-    then the same kernels under Oclgrind).
+    `verify`: run the kernels on PoCL at build time (None: the target's `verify_kernels`, on OpenCL targets
+    then the kernels up to a size cap under Oclgrind; "oclgrind": all of them; "no-oclgrind": none).
     `calibration`: none | builtin | a text file, replacing the scheme's calibration text (see calibrate.py).
     `kv_cache`: auto | float16 | float32, replacing the scheme's KV-cache precision.
     `runtime`: the app runtime contract (configs/runtimes/) replacing the target's `runtime`."""

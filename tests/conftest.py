@@ -23,6 +23,19 @@ def isolated_cache(tmp_path_factory):
         os.environ["MLP_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_quick_oclgrind():
+    """The default build's quick Oclgrind pass stays off in the suite's builds (tests/test_oclgrind.py runs
+    Oclgrind on the kernels itself; tests/test_execution.py the default pass, with this variable removed)."""
+    old = os.environ.get("MLP_QUICK_OCLGRIND")
+    os.environ["MLP_QUICK_OCLGRIND"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("MLP_QUICK_OCLGRIND", None)
+    else:
+        os.environ["MLP_QUICK_OCLGRIND"] = old
+
+
 @pytest.fixture(scope="session")
 def dist_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist")

@@ -180,3 +180,15 @@ def test_run_refuses_a_model_lib_outside_the_bundle(tmp_path, built_bundle):
                              "--skip-verify"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert "model_lib '../evil.so' is not a file inside the bundle" in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--oclgrind", "--no-oclgrind"])
+def test_oclgrind_choice_without_the_pocl_run_is_refused(tmp_path, flag):
+    """--oclgrind / --no-oclgrind choose what runs after the PoCL run: with --no-verify there is none."""
+    out = tmp_path / "dist"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "build", "--model", "smollm2-135m", "--target",
+                           "android-adreno", "--no-verify", flag, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "--no-verify turns off" in lines[0], proc.stderr
+    assert not out.exists()

@@ -152,3 +152,62 @@ def test_oclgrind_needs_an_opencl_target_and_the_pocl_run(monkeypatch):
     monkeypatch.setattr(oclgrind_build, "oclgrind_library", lambda: None)
     with pytest.raises(ConfigError, match="Oclgrind is not installed.* fix: make system-deps"):
         execution.verify_mode(load_target("android-adreno"), "oclgrind", 0)
+
+
+def test_default_adreno_build_runs_the_quick_oclgrind_pass(monkeypatch):
+    """Where Oclgrind and an OpenCL device are here, a default (or --verify) android-adreno build runs the quick
+    pass after PoCL; OCLGRIND=0 / --no-oclgrind and the suite's MLP_QUICK_OCLGRIND=0 leave PoCL alone; a CPU
+    target never gets it; without Oclgrind the default stays PoCL (no error: only --oclgrind asks for it)."""
+    from pipeline.config import load_target
+    from pipeline.verify import oclgrind_build
+
+    adreno, cpu = load_target("android-adreno"), load_target("android-cpu")
+    monkeypatch.setattr(execution.verify_opencl, "find_opencl_device", lambda: object())
+    monkeypatch.setattr(oclgrind_build, "oclgrind_library", lambda: "/x/liboclgrind-rt-icd.so")
+    monkeypatch.delenv("MLP_QUICK_OCLGRIND")
+    assert execution.verify_mode(adreno, None, 0) == execution.verify_mode(adreno, True, 0) == "pocl+oclgrind-quick"
+    assert execution.verify_mode(adreno, "no-oclgrind", 0) == "pocl"
+    assert execution.verify_mode(adreno, "oclgrind", 0) == "pocl+oclgrind"
+    assert execution.verify_mode(adreno, None, execution.AUTO_VERIFY_MAX_BYTES + 1) == "too-big"
+    assert execution.verify_mode(cpu, None, 0) is False
+    monkeypatch.setenv("MLP_QUICK_OCLGRIND", "0")
+    assert execution.verify_mode(adreno, None, 0) == "pocl"
+    monkeypatch.delenv("MLP_QUICK_OCLGRIND")
+    monkeypatch.setattr(oclgrind_build, "oclgrind_library", lambda: None)
+    assert execution.verify_mode(adreno, None, 0) == "pocl"
+
+
+def test_oclgrind_line_says_what_the_size_cap_left_out():
+    from pipeline.report.coverage import oclgrind_line
+
+    s = {"run": 30, "kernels": 47, "races": 0, "out_of_bounds": 0, "uninitialised": 0, "other": 0,
+         "known_tvm": {}, "failed": [], "seconds": 75, "over_quick_cap": 12}
+    assert oclgrind_line(s) == ("Oclgrind: 30 of 47 twin kernels checked in 75 s (12 over the default build's size "
+                                "cap: OCLGRIND=1 checks all): 0 data races, 0 out-of-bounds accesses, "
+                                "0 uninitialised reads")
+    assert "size cap" not in oclgrind_line({**s, "over_quick_cap": 0})
+
+
+@needs_pocl
+def test_quick_oclgrind_pass_skips_kernels_over_the_cap_with_the_reason(tiny_llama, tmp_path, monkeypatch):
+    """The default build's pass on a tiny Llama, the cap lowered so that its bigger kernels stay out: those say
+    why in "executed here", the rest carry Oclgrind's verdict, and the printed line counts both."""
+    from pipeline.verify import oclgrind_build
+
+    if oclgrind_build.missing():
+        pytest.skip(oclgrind_build.missing())
+    monkeypatch.delenv("MLP_QUICK_OCLGRIND")
+    monkeypatch.setattr(oclgrind_build, "QUICK_MAX_ARG_BYTES", 24 * 1024)
+    bundle = _build(tiny_llama, tmp_path)
+    cov = json.loads((bundle / "reports" / "coverage.json").read_text())
+    o = cov["summary"]["execution"]["oclgrind"]
+    assert o["races"] == o["out_of_bounds"] == o["uninitialised"] == o["other"] == 0 and not o["failed"], o
+    assert o["run"] >= 5 and o["over_quick_cap"] >= 3 and o["run"] + o["over_quick_cap"] <= o["kernels"], o
+    cells = [r["executed"] for r in cov["kernels"] if r["executed"].startswith("executed here (PoCL")]
+    assert cells and all("; Oclgrind: " in c for c in cells), cells   # a verdict or why not, for every one
+    assert 5 <= sum("; Oclgrind: no report" in c for c in cells) <= o["run"], cells
+    capped = sum("; Oclgrind: not run (" in c and "over the default build's 24 KiB: OCLGRIND=1 checks it" in c
+                 for c in cells)
+    assert 3 <= capped <= o["over_quick_cap"], cells
+    md = (bundle / "reports" / "coverage.md").read_text()
+    assert "over the default build's size cap: OCLGRIND=1 checks all" in md

@@ -634,5 +634,7 @@ def oclgrind_line(summary: dict[str, Any]) -> str:
     known = (f"; known TVM findings: {', '.join(f'{n} ({c})' for n, c in s['known_tvm'].items())}"
              if s["known_tvm"] else "")
     failed = f"; could not run: {', '.join(s['failed'])}" if s["failed"] else ""
-    return (f"Oclgrind: {s['run']} of {s['kernels']} twin kernels checked in {s['seconds']} s: {found}"
+    capped = (f" ({s['over_quick_cap']} over the default build's size cap: OCLGRIND=1 checks all)"
+              if s.get("over_quick_cap") else "")
+    return (f"Oclgrind: {s['run']} of {s['kernels']} twin kernels checked in {s['seconds']} s{capped}: {found}"
             f"{known}{failed}")

@@ -485,13 +485,25 @@ if __name__ == "__main__":   # the child of run_twin
     _run_kernels(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5])
 
 
-def verify_mode(target: Any, verify: bool | None, weight_bytes: int) -> str | bool:
+OCLGRIND_MODES = ("pocl+oclgrind", "pocl+oclgrind-quick")   # verify_mode's values that run Oclgrind after PoCL
+
+
+def verify_mode(target: Any, verify: bool | str | None, weight_bytes: int) -> str | bool:
     """Whether and how the build runs its kernels (part of the cache key: the report says what ran);
-    `verify` None: the target's `verify_kernels`, skipped above AUTO_VERIFY_MAX_BYTES of weights."""
-    if verify is None:
+    `verify` None: the target's `verify_kernels`, skipped above AUTO_VERIFY_MAX_BYTES of weights; None or True on
+    an OpenCL target: PoCL, then the quick Oclgrind pass (kernels up to a size cap) where Oclgrind is installed, unless the
+    environment sets MLP_QUICK_OCLGRIND=0 (the test suite: its own tests run Oclgrind); "no-oclgrind": the
+    same without it (`--no-oclgrind`); "oclgrind": every kernel under Oclgrind (`--oclgrind`)."""
+    quick = verify in (None, True) and os.environ.get("MLP_QUICK_OCLGRIND", "1") != "0"
+    if verify in (None, "no-oclgrind"):
         verify = bool(target.verify_kernels)
         if verify and weight_bytes > AUTO_VERIFY_MAX_BYTES:
             return "too-big"
+    if verify is True and quick and backend_for(target).verifies_on_opencl:
+        from pipeline.verify.oclgrind_build import missing
+
+        if not missing() and verify_opencl.find_opencl_device() is not None:
+            return "pocl+oclgrind-quick"   # the kernels up to a size cap (oclgrind_build.QUICK_MAX_ARG_BYTES)
     if verify == "oclgrind":   # PoCL, then the same kernels under Oclgrind (verify/oclgrind_build.py)
         from pipeline.verify.oclgrind_build import missing
 
@@ -513,7 +525,7 @@ def record_execution(coverage: dict[str, Any], mod: Any, loaded: Any, quant: Any
                      schedules: list[Any], verify: Any, report: Any) -> None:
     """The coverage report's "executed here" column, from actual runs (`verify` from verify_mode)."""
     twin = None
-    if verify in ("pocl", "pocl+oclgrind") and verify_opencl.find_opencl_device() is not None:
+    if verify in ("pocl", *OCLGRIND_MODES) and verify_opencl.find_opencl_device() is not None:
         with report.step("verify kernels on PoCL (fp32 twin vs LLVM)"):
             twin = twin_module(loaded, quant, target)
             reference = reference_module(loaded, quant)
@@ -525,12 +537,12 @@ def record_execution(coverage: dict[str, Any], mod: Any, loaded: Any, quant: Any
                     f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
     else:
         verdict, summary = verdicts(target, schedules, verify)
-    if twin is not None and verify == "pocl+oclgrind":
+    if twin is not None and verify in OCLGRIND_MODES:
         from pipeline.report.coverage import oclgrind_line
         from pipeline.verify.oclgrind_build import oclgrind_verdicts
 
         with report.step("run the twin's kernels under Oclgrind (races, bounds, uninitialised reads)"):
-            found, summary["oclgrind"] = oclgrind_verdicts(twin, target)
+            found, summary["oclgrind"] = oclgrind_verdicts(twin, target, quick=verify == "pocl+oclgrind-quick")
         verdict = {n: f"{v}; {found[n]}" if n in found and v.startswith("executed here") else v
                    for n, v in verdict.items()}
         report.info(oclgrind_line(summary["oclgrind"]))
@@ -538,8 +550,10 @@ def record_execution(coverage: dict[str, Any], mod: Any, loaded: Any, quant: Any
     if twin is not None:
         report.info(f"executed here: {summary['executed']} of {len(verdict)} kernels on PoCL "
                     f"({summary['not_executed']} compiled only; reasons in reports/coverage.md)")
-        if verify != "pocl+oclgrind":
-            report.info("Oclgrind: not run (OCLGRIND=1 / --oclgrind runs the twin's kernels under its race, "
-                        "bounds and uninitialised-read checks: minutes)")
+        if verify not in OCLGRIND_MODES:
+            from pipeline.verify.oclgrind_build import missing
+
+            report.info(f"Oclgrind: not run ({missing() or 'OCLGRIND=0 / --no-oclgrind'}; OCLGRIND=1 / --oclgrind "
+                        "runs all the twin's kernels under its race, bounds and uninitialised-read checks: minutes)")
     if summary["mismatched"]:
         report.info(f"[yellow]warning:[/] kernels differ from LLVM on PoCL: {', '.join(summary['mismatched'])}")

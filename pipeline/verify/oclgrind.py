@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class OclgrindRun:
     first: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)   # functions the child could not run, and why
     unchecked: dict[str, str] = field(default_factory=dict)   # checks that could not run on a function, and why
+    seconds: dict[str, float] = field(default_factory=dict)   # each function's time under Oclgrind
 
     def total(self, name: str | None = None) -> int:
         picked = [self.reports.get(name, {})] if name else self.reports.values()
@@ -131,7 +133,7 @@ def _run(mod: Any, target: Any, cases: dict[str, list[np.ndarray]], timeout: flo
             raise RuntimeError(f"the Oclgrind run failed (exit {child.returncode}): "
                                f"{(child.stderr or child.stdout).strip().splitlines()[-1:]}")
         kernels = json.loads((work / "kernels.json").read_text())
-        run = OclgrindRun(failed=kernels.pop("_failed", {}))
+        run = OclgrindRun(failed=kernels.pop("_failed", {}), seconds=kernels.pop("_seconds", {}))
         for i, name in enumerate(cases):
             if name in kernels:
                 with np.load(work / f"out{i}.npz") as saved:
@@ -174,8 +176,9 @@ def _child(work: Path) -> None:
     warnings.filterwarnings("ignore")
     spec = json.loads((work / "spec.json").read_text())
     mod = tvm.ir.load_json((work / "module.json").read_text())
-    kernels: dict[str, Any] = {"_failed": {}}
+    kernels: dict[str, Any] = {"_failed": {}, "_seconds": {}}
     for i, name in enumerate(spec["names"]):
+        t0 = time.monotonic()
         with np.load(work / f"args{i}.npz") as saved:
             args = [saved[f"arr_{j}"].copy() for j in range(len(saved.files))]
         try:
@@ -187,6 +190,7 @@ def _child(work: Path) -> None:
             kernels["_failed"][name] = str(err).strip().splitlines()[-1][:200] if str(err).strip() else repr(err)
             continue
         np.savez(work / f"out{i}.npz", *out)
+        kernels["_seconds"][name] = round(time.monotonic() - t0, 2)
     (work / "kernels.json").write_text(json.dumps(kernels))
 
 

@@ -1,5 +1,7 @@
-"""The build's Oclgrind pass (`--oclgrind`, `make build OCLGRIND=1`): the fp32 twin's GPU kernels again,
-under Oclgrind's data-race, out-of-bounds and uninitialised-read checks.
+"""The build's Oclgrind pass: the fp32 twin's GPU kernels again, under Oclgrind's data-race, out-of-bounds and
+uninitialised-read checks. A default android-adreno build runs the kernels up to QUICK_MAX_ARG_BYTES of
+arguments (where Oclgrind is installed); `--oclgrind` (`make build OCLGRIND=1`) all of them; `--no-oclgrind`
+(`OCLGRIND=0`) none.
 
 PoCL (execution.py) shows that a kernel computes the right numbers on one driver; it runs the work-items of
 a work-group one after another, so a race or a read past a buffer can still give them. Oclgrind checks every
@@ -7,9 +9,9 @@ access of the same OpenCL C (verify/oclgrind.py). Here every twin kernel that Po
 inputs (integers in range and distinct: execution.small_ints) and runs under Oclgrind in one
 child process; the verdict is appended to the kernel's "executed here" cell and summed up in one line.
 
-Not on by default: Oclgrind interprets every work-item, so SmolLM2's twin (one layer, its 49152-row lm_head
-GEMV and prefill matmuls included) takes minutes; the kernels at test shapes are checked in the test suite
-(tests/test_oclgrind.py) whatever the build does.
+Why a cap by default: Oclgrind interprets every work-item, so SmolLM2's whole twin (one layer, its 49152-row
+lm_head GEMV and prefill matmuls included) takes ~15 minutes; the kernels at test shapes are checked in the
+test suite (tests/test_oclgrind.py) whatever the build does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from pipeline.verify.oclgrind import oclgrind_library, run_under_oclgrind
 # the build's own. None at present: kernels/gpu/kernel_fixes.py replaces or guards the ones Oclgrind found.
 KNOWN_TVM: dict[str, str] = {}
 TIMEOUT_S = 3600
+# The default build's pass (`verify` None on an OpenCL target) runs only kernels with at most this many bytes
+# of arguments: Oclgrind interprets every work-item, and time grows with the bytes a kernel reads (SmolLM2's
+# twin, all kernels: ~15 min, most of it the 49152-row lm_head and the prefill matmuls). OCLGRIND=1 runs all.
+QUICK_MAX_ARG_BYTES = 8 * 2**20
 
 
 def missing() -> str | None:
@@ -49,8 +55,14 @@ def missing() -> str | None:
     return None
 
 
-def twin_cases(twin: Any, target: Any) -> tuple[Any, dict[str, list[np.ndarray]], dict[str, str]]:
-    """(the twin's kernels scheduled for the target, {kernel: inputs}, {kernel: why it is not run})."""
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def twin_cases(twin: Any, target: Any, max_arg_bytes: int | None = None
+               ) -> tuple[Any, dict[str, list[np.ndarray]], dict[str, str]]:
+    """(the twin's kernels scheduled for the target, {kernel: inputs}, {kernel: why it is not run});
+    `max_arg_bytes`: kernels with more argument bytes are not run (the default build's cap, QUICK_MAX_ARG_BYTES)."""
     heads = attention_heads(twin)
     rules = tuple(target.schedule_rules)
     funcs, cases, skipped = {}, {}, {}
@@ -69,8 +81,13 @@ def twin_cases(twin: Any, target: Any) -> tuple[Any, dict[str, list[np.ndarray]]
         except KeyError as err:
             skipped[name] = f"symbolic size {err.args[0]} has no test value here"
             continue
-        if sum(a.nbytes for a in args if isinstance(a, np.ndarray)) > MAX_ARG_BYTES:
+        nbytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
+        if nbytes > MAX_ARG_BYTES:
             skipped[name] = "too large to run here"
+            continue
+        if max_arg_bytes is not None and nbytes > max_arg_bytes:
+            skipped[name] = (f"{_size(nbytes)} of arguments, over the default build's {_size(max_arg_bytes)}: "
+                             "OCLGRIND=1 checks it")
             continue
         func = func.with_attr("global_symbol", name)
         scheduled, _ = schedule_module(tvm.IRModule({name: func}), target.tvm(), rules, "gpu")
@@ -78,10 +95,11 @@ def twin_cases(twin: Any, target: Any) -> tuple[Any, dict[str, list[np.ndarray]]
     return tvm.IRModule(funcs), cases, skipped
 
 
-def oclgrind_verdicts(twin: Any, target: Any) -> tuple[dict[str, str], dict[str, Any]]:
-    """({kernel: Oclgrind's verdict}, summary) for the twin's kernels."""
+def oclgrind_verdicts(twin: Any, target: Any, quick: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
+    """({kernel: Oclgrind's verdict}, summary) for the twin's kernels; `quick` (the default build): only those
+    with at most QUICK_MAX_ARG_BYTES of arguments."""
     t0 = time.time()
-    mod, cases, skipped = twin_cases(twin, target)
+    mod, cases, skipped = twin_cases(twin, target, QUICK_MAX_ARG_BYTES if quick else None)
     run = run_under_oclgrind(mod, dict(target.tvm_target), cases, timeout=TIMEOUT_S)
     out = {n: f"Oclgrind: not run ({why})" for n, why in skipped.items()}
     counts = {"races": 0, "out_of_bounds": 0, "uninitialised": 0, "other": 0}
@@ -106,5 +124,7 @@ def oclgrind_verdicts(twin: Any, target: Any) -> tuple[dict[str, str], dict[str,
                    else "uninitialised" if "uninitialized" in kind.lower() else "other")
             counts[key] += n
     summary = {"run": len(cases) - len(run.failed), "kernels": len(cases) + len(skipped), **counts,
-               "known_tvm": known, "failed": sorted(run.failed), "seconds": round(time.time() - t0)}
+               "known_tvm": known, "failed": sorted(run.failed), "seconds": round(time.time() - t0),
+               "over_quick_cap": sum("over the default build's" in why for why in skipped.values()),
+               "kernel_seconds": dict(sorted(run.seconds.items(), key=lambda kv: -kv[1]))}
     return out, summary
