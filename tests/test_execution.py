@@ -188,6 +188,7 @@ def test_oclgrind_line_says_what_the_size_cap_left_out():
     assert "size cap" not in oclgrind_line({**s, "over_quick_cap": 0})
 
 
+@pytest.mark.slow     # ~65-100 s (build, PoCL twin run, Oclgrind): the default suite keeps the two tests above
 @needs_pocl
 def test_quick_oclgrind_pass_skips_kernels_over_the_cap_with_the_reason(tiny_llama, tmp_path, monkeypatch):
     """The default build's pass on a tiny Llama, the cap lowered so that its bigger kernels stay out: those say

@@ -42,7 +42,7 @@ from pipeline.verify.oclgrind import oclgrind_library, run_under_oclgrind
 # the build's own. None at present: kernels/gpu/kernel_fixes.py replaces or guards the ones Oclgrind found.
 KNOWN_TVM: dict[str, str] = {}
 TIMEOUT_S = 3600
-# The default build's pass (`verify` None on an OpenCL target) runs only kernels with at most this many bytes
+# A default (or --verify) build of an OpenCL target runs only kernels with at most this many bytes
 # of arguments: Oclgrind interprets every work-item, and time grows with the bytes a kernel reads (SmolLM2's
 # twin, all kernels: ~15 min, most of it the 49152-row lm_head and the prefill matmuls). OCLGRIND=1 runs all.
 QUICK_MAX_ARG_BYTES = 8 * 2**20
