@@ -55,6 +55,12 @@ def test_android_cpu_library(build_bundle, tmp_path):
     with tarfile.open(bundle / cfg["model_lib"]) as tar:
         objs = [tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()]
     assert objs and all(_elf_machine(o) == AARCH64 for o in objs)
+    # the layout the sdot kernels read is recorded for the runtime (targets/android-cpu.yaml: q4_interleave)
+    assert cfg["weight_layout"] == "NK" and cfg["q4_interleave"] == 8
+    # the report and the memory plan name the CPU class the library was built for (configs/cpu_classes.yaml)
+    reports = bundle / "reports"
+    assert "CPU class: the CPU library is built for `dotprod`" in (reports / "coverage.md").read_text()
+    assert "CPU library built for class dotprod: armv8.2-a + dotprod" in (reports / "memory.md").read_text()
 
 
 def test_unscheduled_gpu_kernel_is_an_error():
