@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import qemu_counter as qc
-from benchmarks.phone_cpu_ours import count_kernel
+from benchmarks.phone_cpu_ours import count_single_task
 from benchmarks.phone_cpu_whole import extended_ranges
 
 HIDDEN, INTER, TOP_K, EXPERTS = 2048, 512, 8, 8
@@ -60,10 +59,6 @@ def inputs(name: str, rng) -> tuple[list[np.ndarray], int]:
     return [h, idx, w, codes, scales, np.zeros((1, HIDDEN), np.float16)], TOP_K * rows * k
 
 
-def count(exe: Path, name: str, args: list[np.ndarray], ranges) -> qc.Counts:
-    """One single-task run of kernel `name` under the counting plugin."""
-    return count_kernel(exe, name, args, ranges, env={"HARNESS_TASKS": "1", "PATH": "/usr/bin:/bin"})
-
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import load_target
@@ -80,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         ranges = [r for sym, r in extended_ranges(exe).items() if sym.startswith(LIB_SYMBOLS)]
         for name in kernels():
             args, weights = inputs(name, rng)
-            c = count(exe, name, args, ranges)
+            c = count_single_task(exe, name, args, ranges)
             rows[name] = {"weights": weights, "insns": c.range["insns"], "vector_insns": c.range["vector_insns"],
                           "per_weight": round(c.range["insns"] / weights, 4)}
             print(f"{name}: {c.range['insns'] / 1e6:.2f} M instructions, {rows[name]['per_weight']} per weight")

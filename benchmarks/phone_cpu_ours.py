@@ -211,6 +211,11 @@ def count_kernel(exe: Path, symbol: str, args: list, ranges, env: dict | None = 
     return counts
 
 
+def count_single_task(exe: Path, symbol: str, args: list, ranges) -> qc.Counts:
+    """count_kernel with every parallel loop run as one task (HARNESS_TASKS=1): a kernel's own instructions."""
+    return count_kernel(exe, symbol, args, ranges, env={"HARNESS_TASKS": "1", "PATH": "/usr/bin:/bin"})
+
+
 def count_call(exe: Path, prefix: str, ranges, call: Call) -> qc.Counts:
     """One run of the step's kernel `call` (see count_kernel)."""
     return count_kernel(exe, prefix + call.name, call.args, ranges)

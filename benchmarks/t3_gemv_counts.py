@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import qemu_counter as qc
-from benchmarks.phone_cpu_ours import count_kernel
+from benchmarks.phone_cpu_ours import count_single_task
 from benchmarks.phone_cpu_whole import extended_ranges
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
@@ -49,10 +48,6 @@ def inputs(name: str, n: int, k: int, rng) -> list[np.ndarray]:
     return [codes, scales, rng.standard_normal((1, 1, k)).astype(np.float16), np.zeros((1, 1, n), np.float16)]
 
 
-def count(exe: Path, name: str, args: list[np.ndarray], ranges) -> qc.Counts:
-    """One single-task run of kernel `name` under the counting plugin."""
-    return count_kernel(exe, name, args, ranges, env={"HARNESS_TASKS": "1", "PATH": "/usr/bin:/bin"})
-
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.verify.qemu_aarch64 import build_kernels
@@ -70,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             fmt, role = name.split("_", 1)
             n, k = SHAPES[role]
             ranges = [r for sym, r in spans.items() if name in sym]
-            c = count(exe, name, inputs(name, n, k, rng), ranges)
+            c = count_single_task(exe, name, inputs(name, n, k, rng), ranges)
             rows[name] = {"n": n, "k": k, "insns": c.range["insns"], "vector_insns": c.range["vector_insns"],
                           "per_weight": round(c.range["insns"] / (n * k), 4)}
             print(f"{name}: {c.range['insns'] / 1e3:.1f} k instructions, {rows[name]['per_weight']} per weight")

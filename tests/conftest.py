@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,26 +13,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def isolated_cache(tmp_path_factory):
     """Builds in tests never read or write the developer's .cache."""
     cache = tmp_path_factory.mktemp("build-cache")
-    old = os.environ.get("MLP_CACHE_DIR")
-    os.environ["MLP_CACHE_DIR"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("MLP_CACHE_DIR", None)
-    else:
-        os.environ["MLP_CACHE_DIR"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLP_CACHE_DIR", str(cache))
+        yield cache
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_quick_oclgrind():
     """The default build's quick Oclgrind pass stays off in the suite's builds (tests/test_oclgrind.py runs
     Oclgrind on the kernels itself; tests/test_execution.py the default pass, with this variable removed)."""
-    old = os.environ.get("MLP_QUICK_OCLGRIND")
-    os.environ["MLP_QUICK_OCLGRIND"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("MLP_QUICK_OCLGRIND", None)
-    else:
-        os.environ["MLP_QUICK_OCLGRIND"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLP_QUICK_OCLGRIND", "0")
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -378,11 +378,10 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
                 out[t, r + i] = T.Cast(dtype, acc_out[i])
 
     if integer == "dotprod":   # as on x86; here also one vector of 4 rows' sums (expert_arm.dot)
-        aper = xper
-        adot = expert_arm.dot(fmt, M, aper, pair=1)
+        adot = expert_arm.dot(fmt, M, xper, pair=1)
         aquant = expert_arm.quantize(fmt, M, lambda row: (row // K, row % K))
         (xqshape, dshape, bshape) = expert_arm.quantized_shapes(fmt, 1, M)
-        ((accshape, accdtype),) = expert_arm.scratch(aper)
+        ((accshape, accdtype),) = expert_arm.scratch(xper)
 
     @T.macro
     def arm_body(h, idx, w, codes, scales, out, seq_len):
@@ -390,20 +389,20 @@ def moe_down(experts: int, hidden: int, inter: int, top_k: int, dtype: str, fmt:
         d = T.alloc_buffer((seq_len * K, dshape[1]), "float32")
         base = T.alloc_buffer((seq_len * K, bshape[1]), "int32")
         aquant(xq, d, base, h, seq_len * K)
-        for item in T.parallel(seq_len * (H // aper)):
-            t: T.let[T.int64] = item // (H // aper)
-            r: T.let[T.int64] = item % (H // aper) * aper
-            acc_out = T.alloc_buffer((aper,), "float32")
-            res = T.alloc_buffer((aper,), "float32")
+        for item in T.parallel(seq_len * (H // xper)):
+            t: T.let[T.int64] = item // (H // xper)
+            r: T.let[T.int64] = item % (H // xper) * xper
+            acc_out = T.alloc_buffer((xper,), "float32")
+            res = T.alloc_buffer((xper,), "float32")
             acc = T.alloc_buffer(accshape, accdtype)
-            for i in T.unroll(aper):
+            for i in T.unroll(xper):
                 acc_out[i] = T.float32(0)
             for j in range(K):
                 e: T.let[T.int32] = idx[t, j]
                 adot(res, acc, xq, d, base, t * K + j, codes, scales, e, r, 0)
-                for i in T.unroll(aper):
+                for i in T.unroll(xper):
                     acc_out[i] = acc_out[i] + w[t, j] * res[i]
-            for i in T.unroll(aper):
+            for i in T.unroll(xper):
                 out[t, r + i] = T.Cast(dtype, acc_out[i])
 
     @T.macro
