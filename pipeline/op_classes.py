@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError
 
 OP_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "dequant-matmul-ternary", "gemv", "matmul",
               "moe-gemv",
-              "rotation", "rmsnorm", "layernorm", "attention", "rope", "kv-cache", "gdn-recurrence", "gdn-conv",
+              "rotation", "rmsnorm", "layernorm", "l2norm", "attention", "rope", "kv-cache", "gdn-recurrence", "gdn-conv",
               "rnn-state", "gather", "elementwise", "injective", "reduction", "other")
 
 MATMUL_CLASSES = ("dequant-gemv", "dequant-matmul", "dequant-gemv-ternary", "dequant-matmul-ternary", "gemv",
@@ -121,6 +121,8 @@ def classify(name: str, func: tirx.PrimFunc, text: str | None = None) -> str:
         return "rmsnorm"
     if "layer_norm" in low or "layernorm" in low:   # ONNX graphs (encoders)
         return "layernorm"
+    if "l2_norm" in low:    # the Gated DeltaNet's q / k on the GPU (kernels/gpu/norm_rows.py)
+        return "l2norm"
     if low.startswith("take") or "embedding" in low or "gather" in low:
         return "gather"
     bufs = buffer_params(func)

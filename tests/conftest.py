@@ -33,21 +33,33 @@ def dist_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def build_bundle(dist_dir):
+def build_bundle(dist_dir, tmp_path_factory, worker_id):
     """build_bundle(model, target, quant) -> bundle path; each combination is built once per session.
     `verify=False` skips the build-time PoCL run of a GPU target's kernels (tests/test_execution.py pins it)
-    for tests that check other things; such a bundle goes to its own folder."""
+    for tests that check other things; such a bundle goes to its own folder.
+
+    Under pytest-xdist a registry model's bundle is built once for all workers: into a folder beside the
+    workers' own, under a lock per bundle, so the second worker finds it up to date (a request-key hit)
+    instead of building it again. A model given as a folder stays in the worker's own dist_dir (two workers'
+    temporary models may share a name)."""
+    from filelock import FileLock
+
     from pipeline.progress import Reporter
     from pipeline.stages import run_pipeline
 
     built: dict[tuple, Path] = {}
+    shared = None if worker_id == "master" else tmp_path_factory.getbasetemp().parent / "shared-dist"
 
     def _build(model: str, target: str = "host-cpu", quant: str = "q0f32", verify: bool | None = None) -> Path:
         key = (str(model), target, quant, verify)
         if key not in built:
-            out = dist_dir if verify is None else dist_dir / f"verify-{verify}"
-            built[key] = run_pipeline(str(model), target, quant, out=str(out), verify=verify,
-                                      report=Reporter(quiet=True)).bundle
+            registry_name = isinstance(model, str) and not Path(model).exists()
+            root = shared if shared is not None and registry_name else dist_dir
+            out = root if verify is None else root / f"verify-{verify}"
+            out.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(out / f".{model}-{quant}-{target}.lock")):
+                built[key] = run_pipeline(str(model), target, quant, out=str(out), verify=verify,
+                                          report=Reporter(quiet=True)).bundle
         return built[key]
 
     return _build

@@ -357,3 +357,6 @@ def test_hybrid_adreno_gdn_state_traffic():
     assert not [n for n in decode if n.startswith(("add", "rms_norm")) and not n.startswith("rms_norm_split")], decode
     assert all(r["gpu_cost"]["launches"] == [(48, 64)] for n, r in decode.items() if n.startswith(
         ("fused_add_rms_norm", "rms_norm_split")))
+    # each GDN layer's q / k L2 norm: one launch over the 2 x 2 key heads' rows, 48 work-groups (12 per row)
+    l2 = [r for n, r in decode.items() if r["op_class"] == "l2norm"]
+    assert [(r["decode_step"]["calls"], r["gpu_cost"]["launches"]) for r in l2] == [(3, [(48, 64)])], l2

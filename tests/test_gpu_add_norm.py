@@ -19,17 +19,22 @@ TOL = 1e-5
 EPS = 1e-5
 
 
-def _spec(h: int, residual: bool = True, heads: int = 1, offset: float | None = None) -> NormSpec:
-    return NormSpec(h=h, dtype="float32", w_dtype="float32", eps=EPS, residual=residual, heads=heads, offset=offset)
+def _spec(h: int, residual: bool = True, heads: int = 1, offset: float | None = None, l2: bool = False) -> NormSpec:
+    return NormSpec(h=h, dtype="float32", w_dtype="float32", eps=EPS, residual=residual, heads=heads, offset=offset,
+                    l2=l2)
 
 
 def _case(spec: NormSpec, rows: int, seed: int = 0):
-    """The kernel's arguments and float64 numpy's outputs (the sum for a residual kernel, then the norm)."""
+    """The kernel's arguments and float64 numpy's outputs (the sum for a residual kernel, then the norm; an L2
+    norm: x / sqrt(sum(x^2) + eps), as the Gated DeltaNet's q / k, with no weight argument)."""
     rng = np.random.default_rng(seed)
     shape = (1, rows, spec.h) if spec.heads == 1 else (1, rows, spec.heads, spec.h)
     ins = [rng.standard_normal(shape).astype(np.float32) for _ in range(2 if spec.residual else 1)]
     w = rng.standard_normal(spec.h).astype(np.float32)
     s = ins[0].astype(np.float64) + (ins[1] if spec.residual else 0)
+    if spec.l2:
+        outs = [np.zeros_like(ins[0])]
+        return [*ins, *outs], [s / np.sqrt((s * s).sum(-1, keepdims=True) + EPS)]
     ref = s / np.sqrt((s * s).mean(-1, keepdims=True) + EPS) * (w + (spec.offset or 0.0))
     outs = [np.zeros_like(ins[0]) for _ in spec.outputs()]
     return [*ins, w, *outs], ([s] if spec.residual else []) + [ref]
@@ -40,15 +45,18 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 
 
 # (spec, rows): SmolLM2's hidden size (a decode row, a prefill chunk of 7), qwen27b's (5120, its zero-centred
-# norm with and without the residual add), its per-head q / k norms (24 / 4 heads of 256), 64 rows (one group each)
+# norm with and without the residual add), its per-head q / k norms (24 / 4 heads of 256), 64 rows (one group
+# each), its Gated DeltaNet's L2-normalised q and k together (2 x 16 heads of 128; a tiny config's 2 x 2 of 16)
 CASES = [(_spec(576), 1), (_spec(576), 7), (_spec(5120, offset=1.0), 1), (_spec(5120), 7),
          (_spec(576, residual=False), 1), (_spec(5120, residual=False, offset=1.0), 7),
          (_spec(256, residual=False, heads=4, offset=1.0), 1), (_spec(256, residual=False, heads=24, offset=1.0), 1),
-         (_spec(576), 64)]
+         (_spec(576), 64), (_spec(128, residual=False, heads=32, l2=True), 1),
+         (_spec(16, residual=False, heads=4, l2=True), 5)]
 
 
 @pytest.mark.parametrize("spec,rows", CASES, ids=lambda v: str(v) if isinstance(v, int) else
-                         f"{'add+' if v.residual else ''}{v.heads}x{v.h}{'+1' if v.offset else ''}")
+                         f"{'add+' if v.residual else ''}{'l2:' if v.l2 else ''}{v.heads}x{v.h}"
+                         f"{'+1' if v.offset else ''}")
 def test_norm_kernels_on_pocl(spec, rows):
     """Each row split over ceil(48 / rows) work-groups (one from 48 rows up), one barrier, float sums; every
     output matches numpy, and so does the kernel's LLVM variant."""
@@ -84,13 +92,14 @@ def test_one_token_launch_fills_the_gpu_with_float_sums(spec):
 
 
 def test_norm_kernels_are_clean_under_oclgrind():
-    """One token of SmolLM2's add + norm (48 work-groups writing slices of one row) and 3 tokens of qwen27b-style
-    per-head zero-centred norms: no race, out-of-bounds or uninitialised-value report, numpy's results."""
+    """One token of SmolLM2's add + norm (48 work-groups writing slices of one row), 3 tokens of qwen27b-style
+    per-head zero-centred norms and one token of its GDN q / k L2 norm: no race, out-of-bounds or uninitialised-value report, numpy's results."""
     from pipeline.verify.oclgrind import oclgrind_library, run_under_oclgrind
 
     if oclgrind_library() is None:
         pytest.skip("oclgrind not installed (`make system-deps`)")
-    specs = {"add_norm": (_spec(576), 1), "head_norm": (_spec(256, residual=False, heads=4, offset=1.0), 3)}
+    specs = {"add_norm": (_spec(576), 1), "head_norm": (_spec(256, residual=False, heads=4, offset=1.0), 3),
+             "l2_norm": (_spec(128, residual=False, heads=32, l2=True), 1)}
     funcs = {n: norm_kernel(s).with_attr("global_symbol", n) for n, (s, _) in specs.items()}
     cases = {n: _case(s, rows) for n, (s, rows) in specs.items()}
     run = run_under_oclgrind(tvm.IRModule(funcs), ADRENO_TARGET, {n: c[0] for n, c in cases.items()})

@@ -18,6 +18,7 @@ from pipeline.compiler.matmul_f32 import GPUMatmulF32
 from pipeline.compiler.tuning import apply_record, workload_key
 from pipeline.errors import CompileError
 from pipeline.kernels.cpu.schedule import CPUArmDot, CPUInlineParallel
+from pipeline.kernels.gpu.fill_fallback import GPUFillFallback
 from pipeline.kernels.gpu.gemv import GPUDequantGEMV
 
 
@@ -30,6 +31,7 @@ def _rules():
         "matmul_simt": _simt_matmul_rule(),
         "reduction": dl.gpu.Reduction,
         "general_reduction": dl.gpu.GeneralReduction,
+        "fill_fallback": GPUFillFallback,   # ours: dlight's Fallback with work-groups sized to fill the GPU
         "fallback": dl.gpu.Fallback,
         "cpu_gemv": dl.cpu.GEMV,
         "cpu_reduction": dl.cpu.Reduction,

@@ -33,6 +33,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 
 from pipeline.errors import ConfigError
 from pipeline.frontend.hf_config import LAYER_KINDS, text_config
+from pipeline.kernels.gpu.norm_rows import NormSpec, norm_kernel
 from pipeline.models.gdn_kernels import gdn_decode, gdn_prefill, gdn_segments
 from pipeline.models.layers import LayerFactory
 from pipeline.models.llama import (
@@ -302,12 +303,31 @@ def _gates(a: te.Tensor, b: te.Tensor, a_log: te.Tensor, dt_bias: te.Tensor):
     return g, beta
 
 
-def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+L2_EPS = 1e-6
+
+
+def _l2norm(x: Tensor, eps: float = L2_EPS) -> Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (as transformers / FLA)."""
     xf = x.astype("float32") if x.dtype != "float32" else x
     inv = op.sqrt(op.sum(xf * xf, axis=-1, keepdims=True) + eps)
     y = xf / inv
     return y.astype(x.dtype) if x.dtype != "float32" else y
+
+
+def _qk_l2norm(conv: Tensor, s, hk: int, dk: int, gpu: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v) of the conv output, q and k L2-normalised per head. On a GPU, q and k (adjacent in the conv
+    output) go through one launch of the row-splitting norm kernel: 2 hk rows of dk, enough work-groups per row
+    to fill the GPU at one token (kernels/gpu/norm_rows.py); the TE form was a 2 hk-group reduction and a divide
+    per tensor, 4 launches."""
+    if not gpu:
+        q, k, v = op.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
+        return _l2norm(op.reshape(q, (s, hk, dk))), _l2norm(op.reshape(k, (s, hk, dk))), v
+    qk, v = op.split(conv, [2 * hk * dk], axis=-1)
+    spec = NormSpec(h=dk, dtype=conv.dtype, w_dtype=conv.dtype, eps=L2_EPS, heads=2 * hk, l2=True)
+    qk = op.tensor_ir_op(norm_kernel(spec).with_attr("mlp.kernel", "l2_norm_split"), "l2_norm_split",
+                         [op.reshape(qk, (1, s, 2 * hk, dk))], Tensor.placeholder((1, s, 2 * hk, dk), conv.dtype))
+    q, k = op.split(op.reshape(qk, (s, 2 * hk, dk)), 2, axis=1)
+    return q, k, v
 
 
 class GatedRMSNorm(nn.Module):
@@ -351,9 +371,7 @@ class GatedDeltaNet(nn.Module):
         state = state.set(layer, 0, op.tensor_expr_op(_tail, "conv_state_tail", [prev, mixed]))
         conv = op.tensor_expr_op(lambda p, m, w: _causal_conv_silu(p, m, w, dtype), "gdn_conv1d_silu",
                                  [prev, mixed, self.conv1d.weight])
-        q, k, v = op.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
-        q = _l2norm(op.reshape(q, (s, hk, dk)))
-        k = _l2norm(op.reshape(k, (s, hk, dk)))
+        q, k, v = _qk_l2norm(conv, s, hk, dk, self.gpu)
         v = op.reshape(v, (s, hv, dv))
         g, beta = op.tensor_expr_op(_gates, "gdn_gates", [a, b, self.A_log, self.dt_bias])
         rec = op.reshape(state.get(layer, 1, (1, hv, dk, dv), "float32"), (hv, dk, dv))
@@ -386,9 +404,7 @@ class GatedDeltaNet(nn.Module):
                                                       [prev, mixed, ends]))
         conv = op.tensor_expr_op(lambda p, m, w, e: _segmented_conv_silu(p, m, w, e, dtype), "gdn_conv1d_silu_segments",
                                  [prev, mixed, self.conv1d.weight, ends])
-        q, k, v = op.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
-        q = _l2norm(op.reshape(q, (s, hk, dk)))
-        k = _l2norm(op.reshape(k, (s, hk, dk)))
+        q, k, v = _qk_l2norm(conv, s, hk, dk, self.gpu)
         v = op.reshape(v, (s, hv, dv))
         g, beta = op.tensor_expr_op(_gates, "gdn_gates", [a, b, self.A_log, self.dt_bias])
         rec = state.get(layer, 1, (nseq, hv, dk, dv), "float32")

@@ -149,7 +149,7 @@ def _cost(cls: str, func: tirx.PrimFunc, text: str, env: dict[str, int]) -> tupl
     if cls in MATMUL_CLASSES:
         k = eval_shape(matmul_k(ins, outs), env)
         return moved, 2 * n_out * (k or 0)
-    if cls in ("rmsnorm", "layernorm", "reduction"):
+    if cls in ("rmsnorm", "layernorm", "l2norm", "reduction"):
         largest = max((elems(b, env) or 0 for b in ins), default=0)
         return moved, 2 * largest + n_out
     return moved, n_out

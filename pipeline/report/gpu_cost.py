@@ -12,9 +12,10 @@ stated model, not a measurement: a kernel streams its decode bytes at the phone'
 
 FILL_GROUPS = 48 (4 work-groups per shader processor of an Adreno 750, 12 SPs). It ignores launch overhead,
 caches and compute, so it is a floor for what a kernel can reach, not a forecast of what it will. Launches sized
-by the batch (the paged KV cache's attention) are shown for one sequence (DECODE_SIZES); the work-groups of a
-kernel of several launches are the fewest of its launches, or the streaming launch's when its plan names them
-(the split-KV attention: its merge launch moves a few KB). Barriers per launch come from our kernels' plans.
+by the batch (the paged KV cache's attention) are shown for one sequence (DECODE_SIZES); a kernel of several
+launches (a split's outputs, each its own loop) has its bytes shared among them in proportion to their
+work-items, each share at its own launch's fill, unless its plan names the streaming launch (the split-KV
+attention: its merge launch moves a few KB), which then carries them all. Barriers per launch come from our kernels' plans.
 A kernel whose work-groups re-read their inputs (our RMSNorms: every work-group of a row reads the whole row,
 kernels/gpu/norm_rows.py) has those bytes in its plan (`reread_bytes`, at one token); the prediction charges
 them on top of the decode bytes, at the same bandwidth (no cache).
@@ -34,7 +35,8 @@ PLAN_ATTR = "pipeline.gpu_plan"
 FILL_GROUPS = 48
 DECODE_SIZES = {"B": 1, "batch_size": 1, "batch": 1, "seq_len": 1}   # one sequence decoding one token
 MODEL = ("PREDICTION (a model, not a measurement): bytes / (phone bandwidth x min(1, work-groups / "
-         f"{FILL_GROUPS})); no launch overhead, caches or compute")
+         f"{FILL_GROUPS})) per launch, a kernel's bytes shared among its launches by their work-items; no launch "
+         "overhead, caches or compute")
 
 
 def _binding(s) -> tuple[str, Any] | None:
@@ -70,6 +72,16 @@ def launches(func: tirx.PrimFunc, sizes: dict[str, int] | None = None) -> list[t
              math.prod(v for t, v in d.items() if t.startswith("threadIdx"))) for d in out]
 
 
+def predicted_us(nbytes: float, shape: list[tuple[int, int]], bandwidth_gbs: float,
+                 streaming_groups: int | None = None) -> float:
+    """The model's time for one call (module docstring): the bytes shared among the launches by their work-items,
+    each share at the bandwidth its launch's fill allows; a streaming launch named by the plan carries them all."""
+    if streaming_groups is not None:
+        shape = [(streaming_groups, 1)]
+    items = sum(g * i for g, i in shape)
+    return sum(nbytes * g * i / items / (bandwidth_gbs * 1e3 * min(1.0, g / FILL_GROUPS)) for g, i in shape)
+
+
 def annotate_gpu_cost(report: dict[str, Any], mod: Any, target: Any) -> None:
     """Add launch shape, loads per work-item and the predicted decode time to each GPU kernel row (in place),
     and the predicted decode step to the summary."""
@@ -92,8 +104,8 @@ def annotate_gpu_cost(report: dict[str, Any], mod: Any, target: Any) -> None:
             cost["reread_bytes"] = reread
         d = row["decode_step"]
         if bandwidth and shape and d.get("bytes_per_call") and d["calls"]:
-            groups = int(plan["work_groups"]) if plan is not None and "streaming" in plan else min(g for g, _ in shape)
-            us = (d["bytes_per_call"] + reread) / (bandwidth * 1e3 * min(1.0, groups / FILL_GROUPS))
+            us = predicted_us(d["bytes_per_call"] + reread, shape, bandwidth,
+                              int(plan["work_groups"]) if plan is not None and "streaming" in plan else None)
             cost["predicted_us_per_call"] = round(us, 2)
             total_us += us * d["calls"]
             covered += 1

@@ -13,7 +13,8 @@ charged as bytes in the launch plan (`reread_bytes`, report/gpu_cost.py).
 Variants (NormSpec): residual (a + b first, both the sum and its norm written, the sum rounded to the stream's
 dtype before it is squared, as the unfused add and norm compute it) or plain; rows of a token ([1, n, H]) or
 per-head rows ([1, n, heads, H]); the weight as stored or plus a constant added in the weight's dtype
-(Qwen3.5's zero-centred norm scales by 1 + w). gpu=False gives the same arithmetic in serial loops for LLVM:
+(Qwen3.5's zero-centred norm scales by 1 + w); or an L2 norm, x * rsqrt(sum(x^2) + eps) with no weight (the Gated
+DeltaNet's q / k, models/qwen3_5.py). gpu=False gives the same arithmetic in serial loops for LLVM:
 the reference of the build's PoCL check and the CPU form of a kernel pinned to the host.
 """
 
@@ -38,10 +39,11 @@ class NormSpec:
     residual: bool = False        # (a, b, w) -> (a + b, norm(a + b)); else (x, w) -> norm(x)
     heads: int = 1                # rows per token: > 1 for a per-head norm over [1, n, heads, H]
     offset: float | None = None   # the weight is w + offset, added in w_dtype (zero-centred: 1.0)
+    l2: bool = False              # x * rsqrt(sum(x^2) + eps), no weight (Gated DeltaNet's q / k): (x) -> norm(x)
 
     def outputs(self) -> list[int]:
         """The parameters the kernel writes."""
-        return [3, 4] if self.residual else [2]
+        return [3, 4] if self.residual else [1] if self.l2 else [2]
 
 
 def threads_for(h: int) -> int:
@@ -84,7 +86,7 @@ def spec_of(func: tirx.PrimFunc) -> NormSpec | None:
         return None
     return NormSpec(h=int(attr["h"]), dtype=str(attr["dtype"]), w_dtype=str(attr["w_dtype"]),
                     eps=float(attr["eps"]), residual=bool(attr["residual"]), heads=int(attr["heads"]),
-                    offset=float(attr["offset"]) if "offset" in attr else None)
+                    offset=float(attr["offset"]) if "offset" in attr else None, l2=bool(attr.get("l2", False)))
 
 
 # ------------------------------------------------------------------ index and weight helpers (TVMScript closures)
@@ -132,8 +134,15 @@ class _Rows:
         """Outputs per work-group: ceil(H / groups); the whole row from FILL_GROUPS rows up."""
         return self._by_rows(n, 2, self.spec.h)
 
+    def scale(self, sum_sq):
+        """The row's fp32 scale from its sum of squares: rsqrt(mean + eps), or rsqrt(sum + eps) for an L2 norm."""
+        s = self.spec
+        return T.rsqrt((sum_sq if s.l2 else sum_sq / T.float32(s.h)) + T.float32(s.eps))
+
     def weight(self, w, c):
         s = self.spec
+        if s.l2:
+            return T.float32(1)
         if s.offset is None:
             return T.Cast("float32", w[c])
         return T.Cast("float32", w[c] + T.Cast(s.w_dtype, T.float32(s.offset)))
@@ -141,17 +150,12 @@ class _Rows:
 
 def _plain(spec: NormSpec, gpu: bool) -> tirx.PrimFunc:
     r = _Rows(spec)
-    h, heads, dtype, eps = spec.h, spec.heads, spec.dtype, spec.eps
+    h, heads, dtype = spec.h, spec.heads, spec.dtype
     threads = threads_for(h)
     per = -(-h // threads)
 
-    @T.prim_func(s_tir=True)
-    def rms_norm_split_gpu(x_h: T.handle, w_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        seq_len = T.int64()
-        x = T.match_buffer(x_h, r.shape(seq_len), dtype)
-        w = T.match_buffer(w_h, (T.int64(h),), spec.w_dtype)
-        out = T.match_buffer(out_h, r.shape(seq_len), dtype)
+    @T.macro
+    def gpu_body(x, w, out, seq_len):
         for tok in T.thread_binding(seq_len, thread="blockIdx.z"):
             for head in T.thread_binding(heads, thread="blockIdx.y"):
                 for g in T.thread_binding(r.groups(seq_len), thread="blockIdx.x"):
@@ -172,11 +176,51 @@ def _plain(spec: NormSpec, gpu: bool) -> tirx.PrimFunc:
                             acc[1] = T.float32(0)
                             for j in range(threads):
                                 acc[1] = acc[1] + part[j]
-                            acc[1] = T.rsqrt(acc[1] / T.float32(h) + T.float32(eps))
+                            acc[1] = r.scale(acc[1])
                             for i in range(per):
                                 if i * threads + tx < h and lo <= T.Cast("int64", i * threads + tx) < hi:
                                     out[r.at(tok, head, i * threads + tx)] = T.Cast(
                                         dtype, acc[1] * vals[i] * r.weight(w, i * threads + tx))
+
+    @T.macro
+    def cpu_body(x, w, out, seq_len, ss):
+        for tok, head in T.grid(seq_len, heads):
+            ss[0] = T.float32(0)
+            for c in range(h):
+                ss[0] = ss[0] + T.Cast("float32", x[r.at(tok, head, c)]) * T.Cast("float32", x[r.at(tok, head, c)])
+            ss[0] = r.scale(ss[0])
+            for c in range(h):
+                out[r.at(tok, head, c)] = T.Cast(dtype, ss[0] * T.Cast("float32", x[r.at(tok, head, c)])
+                                                 * r.weight(w, c))
+
+    if spec.l2:   # parsed only for its spec: r.weight never reads the stand-in buffer
+        @T.prim_func(s_tir=True)
+        def l2_norm_split_gpu(x_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            seq_len = T.int64()
+            x = T.match_buffer(x_h, r.shape(seq_len), dtype)
+            out = T.match_buffer(out_h, r.shape(seq_len), dtype)
+            gpu_body(x, x, out, seq_len)   # no weight: r.weight is 1 (x stands in for the absent buffer)
+
+        @T.prim_func(s_tir=True)
+        def l2_norm_split_cpu(x_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            seq_len = T.int64()
+            x = T.match_buffer(x_h, r.shape(seq_len), dtype)
+            out = T.match_buffer(out_h, r.shape(seq_len), dtype)
+            ss = T.alloc_buffer((1,), "float32")
+            cpu_body(x, x, out, seq_len, ss)
+
+        return l2_norm_split_gpu if gpu else l2_norm_split_cpu
+
+    @T.prim_func(s_tir=True)
+    def rms_norm_split_gpu(x_h: T.handle, w_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        seq_len = T.int64()
+        x = T.match_buffer(x_h, r.shape(seq_len), dtype)
+        w = T.match_buffer(w_h, (T.int64(h),), spec.w_dtype)
+        out = T.match_buffer(out_h, r.shape(seq_len), dtype)
+        gpu_body(x, w, out, seq_len)
 
     @T.prim_func(s_tir=True)
     def rms_norm_split_cpu(x_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -186,21 +230,14 @@ def _plain(spec: NormSpec, gpu: bool) -> tirx.PrimFunc:
         w = T.match_buffer(w_h, (T.int64(h),), spec.w_dtype)
         out = T.match_buffer(out_h, r.shape(seq_len), dtype)
         ss = T.alloc_buffer((1,), "float32")
-        for tok, head in T.grid(seq_len, heads):
-            ss[0] = T.float32(0)
-            for c in range(h):
-                ss[0] = ss[0] + T.Cast("float32", x[r.at(tok, head, c)]) * T.Cast("float32", x[r.at(tok, head, c)])
-            ss[0] = T.rsqrt(ss[0] / T.float32(h) + T.float32(eps))
-            for c in range(h):
-                out[r.at(tok, head, c)] = T.Cast(dtype, ss[0] * T.Cast("float32", x[r.at(tok, head, c)])
-                                                 * r.weight(w, c))
+        cpu_body(x, w, out, seq_len, ss)
 
     return rms_norm_split_gpu if gpu else rms_norm_split_cpu
 
 
 def _residual(spec: NormSpec, gpu: bool) -> tirx.PrimFunc:
     r = _Rows(spec)
-    h, heads, dtype, eps = spec.h, spec.heads, spec.dtype, spec.eps
+    h, heads, dtype = spec.h, spec.heads, spec.dtype
     threads = threads_for(h)
     per = -(-h // threads)
 
@@ -235,7 +272,7 @@ def _residual(spec: NormSpec, gpu: bool) -> tirx.PrimFunc:
                             acc[1] = T.float32(0)
                             for j in range(threads):
                                 acc[1] = acc[1] + part[j]
-                            acc[1] = T.rsqrt(acc[1] / T.float32(h) + T.float32(eps))
+                            acc[1] = r.scale(acc[1])
                             for i in range(per):
                                 if i * threads + tx < h and lo <= T.Cast("int64", i * threads + tx) < hi:
                                     total[r.at(tok, head, i * threads + tx)] = T.Cast(dtype, vals[i])
@@ -259,7 +296,7 @@ def _residual(spec: NormSpec, gpu: bool) -> tirx.PrimFunc:
                                                    + T.Cast("float32", b[r.at(tok, head, c)]))
                 ss[0] = ss[0] + T.Cast("float32", total[r.at(tok, head, c)]) * T.Cast(
                     "float32", total[r.at(tok, head, c)])
-            ss[0] = T.rsqrt(ss[0] / T.float32(h) + T.float32(eps))
+            ss[0] = r.scale(ss[0])
             for c in range(h):
                 out[r.at(tok, head, c)] = T.Cast(dtype, ss[0] * T.Cast("float32", total[r.at(tok, head, c)])
                                                  * r.weight(w, c))
