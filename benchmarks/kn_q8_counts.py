@@ -5,7 +5,7 @@ layer shapes, counted under qemu-aarch64.
 Why: the object's hot loop (arm_code.hot_loop) leaves out x's quantization, the tails and the default path's
 scratch dequantize; this counts whole calls, one thread, inside the kernels' own code, with the project's TCG
 plugin (benchmarks/qemu_counter.py). The cpu-default kernels are the fused functions of an android-hexagon
-q8f16 build of a SmolLM2-shaped model (2 layers, vocab 2048), unscheduled, as that build compiled them.
+q8f16 build of a SmolLM2-shaped model (2 layers, SmolLM2's vocab), unscheduled, as that build compiled them.
 
     .venv/bin/python -m benchmarks.kn_q8_counts [--out benchmarks/results/kn_q8_counts]
 """
@@ -23,12 +23,13 @@ from benchmarks.phone_cpu_ours import count_single_task
 from benchmarks.phone_cpu_whole import extended_ranges
 
 # role: (N, K); decode GEMVs of all four, prompts (PROMPT rows) of two (the default path's prefill is slow under qemu)
-SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
+          "lm_head": (49152, 576)}
 PROMPTED = ("o_proj", "down_proj")
 PROMPT = 8
 TARGET = {"kind": "llvm", "mtriple": "aarch64-linux-android", "mattr": ["+neon", "+fullfp16", "+dotprod"]}
 SMALL = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-             num_attention_heads=9, num_key_value_heads=3, vocab_size=2048, tie_word_embeddings=True,
+             num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
              rms_norm_eps=1e-5, rope_theta=1e5)
 
 

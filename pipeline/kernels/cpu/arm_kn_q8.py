@@ -16,16 +16,17 @@ need no offset term. Per group, a 16-column block ends in 4 int32x4 vectors (two
 32 * 127 * 32512 < 2^31), `scvtf`, and an `fmla` by the 4 columns' fp16 scales (contiguous in KN) times x's
 step. A task owns SPAN consecutive columns (64: whole cache lines of every code row, its 16-column blocks run
 one after another per group while those lines are in L1; 16 where 64 leaves fewer than 8 tasks) over all of K;
-TVM's parallel loop gives each thread a contiguous range of tasks. A prompt's rows loop inside the task after
-being quantized in parallel.
+TVM's parallel loop gives each thread a contiguous range of tasks. A prompt's rows, quantized in parallel first,
+run in pairs inside the task, both rows meeting each transpose (an odd last row alone).
 
 Counted under qemu-aarch64 (benchmarks/kn_q8_counts.py: whole calls, one thread, x's quantization included;
-benchmarks/results/kn_q8_counts.md), SmolLM2's layer shapes: 0.41 instructions per weight for every decode GEMV
-(qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536) against 7.6-7.7 for cpu-default (18-19x fewer),
-prompts of 8 rows 0.41 per weight and row against 7.07 (17x). The hot loop (objdump): 824 instructions per 4 blocks
-x 32 rows = 0.40 per weight with two-byte x, 0.31 with int8 x, 98% vector; 0.31 of the 0.40 are the 4 loads, 8
-zips and 8 sdots per 64 codes, the rest each group's zeroing, 256 hi + lo and scale step. (One 4-register shuffle
-per vector instead of the zips became `tbl` pairs and spills: 0.62.)
+benchmarks/results/kn_q8_counts.md), SmolLM2's shapes: 0.41 instructions per weight for every layer's decode GEMV
+(qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536) against 7.6-7.7 for cpu-default (18-19x
+fewer), the 49152 x 576 lm_head 0.47 against 7.69 (its rows 48 KB apart: LLVM materializes the row offsets);
+prompts of 8 rows 0.33 per weight and row against 7.07 (22x). The decode hot loop (objdump): 824 instructions
+per 4 blocks x 32 rows = 0.40 per weight with two-byte x, 0.31 with int8 x, 98% vector; 0.31 of the 0.40 are
+the 4 loads, 8 zips and 8 sdots per 64 codes, the rest each group's zeroing, 256 hi + lo and scale step. (One
+4-register shuffle per vector instead of the zips became `tbl` pairs and spills: 0.62.)
 
 Same result as the fused TE up to x's rounding and fp32 summation order; tests/test_arm_kn_q8_kernels.py runs it
 under qemu-aarch64 against numpy.
@@ -83,48 +84,78 @@ def kn_q8_dot_kernel(n: int, k: int, act: str = "float16", scale_dtype: str = "f
         words = T.reinterpret("int32x4", xq[r, b, T.Ramp(g * GROUP + i // 4 * 16, 1, 16)])
         return T.reinterpret("int8x16", T.Shuffle([words], [i % 4] * 4))
 
-    def dot(isum, b, v, codes, xl):
-        """isum's vector (byte b, columns 4 v .. 4 v + 3) += sdot(codes, xl)."""
-        at = T.Ramp((b * 4 + v) * 4, 1, 4)
-        return T.call_llvm_pure_intrin("int32x4", SDOT, isum[at], codes, xl)
+    def lanes(slot, b, v):
+        """Where isum holds the int32x4 of x row slot's byte b and the block's columns 4 v .. 4 v + 3."""
+        return T.Ramp(((slot * x_bytes + b) * 4 + v) * 4, 1, 4)
 
-    @T.macro
-    def step(w, xq, isum, r, g, col, i):
-        """Code rows g 32 + 4 i .. + 3 of the block's 16 columns into isum: the 4 transposed vectors, each met by
-        x's word in every byte (i static: x's lane)."""
-        row: T.let[T.int32] = g * GROUP + STEP * i
-        c0: T.let[T.int8x16] = _columns(w, row, col)[0]
-        c1: T.let[T.int8x16] = _columns(w, row, col)[1]
-        c2: T.let[T.int8x16] = _columns(w, row, col)[2]
-        c3: T.let[T.int8x16] = _columns(w, row, col)[3]
-        for b in T.unroll(x_bytes):
-            isum[T.Ramp(b * 16, 1, 4)] = dot(isum, b, 0, c0, x_lanes(xq, r, b, g, i))
-            isum[T.Ramp(b * 16 + 4, 1, 4)] = dot(isum, b, 1, c1, x_lanes(xq, r, b, g, i))
-            isum[T.Ramp(b * 16 + 8, 1, 4)] = dot(isum, b, 2, c2, x_lanes(xq, r, b, g, i))
-            isum[T.Ramp(b * 16 + 12, 1, 4)] = dot(isum, b, 3, c3, x_lanes(xq, r, b, g, i))
+    def dot(isum, codes, xq, r, g, i, slot, b, v):
+        """That int32x4 + sdot(codes, x row r + slot's word i of group g)."""
+        return T.call_llvm_pure_intrin("int32x4", SDOT, isum[lanes(slot, b, v)], codes, x_lanes(xq, r + slot, b, g, i))
 
-    def sums(isum, v):
-        """The group's int32 sums of columns 4 v .. 4 v + 3 of the block (two bytes: 256 hi + lo, exact)."""
+    def sums(isum, slot, v):
+        """The group's int32 sums of columns 4 v .. 4 v + 3 of the block, x row slot (two bytes: 256 hi + lo, exact)."""
         if x_bytes == 1:
-            return isum[T.Ramp(v * 4, 1, 4)]
-        return isum[T.Ramp(v * 4, 1, 4)] * T.Broadcast(256, 4) + isum[T.Ramp(16 + v * 4, 1, 4)]
+            return isum[lanes(slot, 0, v)]
+        return isum[lanes(slot, 0, v)] * T.Broadcast(256, 4) + isum[lanes(slot, 1, v)]
 
-    @T.macro
-    def block_group(w, s, xq, d, acc, isum, r, g, blk, col):
-        """acc[the block's 16 columns] += group g's sums * their scales * x's step (8 steps of 4 code rows)."""
-        for j in T.unroll(x_bytes * 4):
-            isum[T.Ramp(j * 4, 1, 4)] = T.Broadcast(0, 4)
-        step(w, xq, isum, r, g, col, 0)
-        step(w, xq, isum, r, g, col, 1)
-        step(w, xq, isum, r, g, col, 2)
-        step(w, xq, isum, r, g, col, 3)
-        step(w, xq, isum, r, g, col, 4)
-        step(w, xq, isum, r, g, col, 5)
-        step(w, xq, isum, r, g, col, 6)
-        step(w, xq, isum, r, g, col, 7)
-        for v in T.unroll(4):
-            acc[T.Ramp(blk * BLOCK + v * 4, 1, 4)] = acc[T.Ramp(blk * BLOCK + v * 4, 1, 4)] + T.Cast(
-                "float32x4", sums(isum, v)) * (T.Cast("float32x4", s[g, T.Ramp(col + v * 4, 1, 4)]) * T.Broadcast(d[r, g], 4))
+    def macros(rows: int):
+        """A macro computing `rows` output rows of a task at once (2: a prompt's pairs, which share each
+        transpose: 0.33 instead of 0.41 instructions per weight and row)."""
+
+        @T.macro
+        def step(w, xq, isum, r, g, col, i):
+            """Code rows g 32 + 4 i .. + 3 of the block's 16 columns into isum: the 4 transposed vectors, each
+            met by x's word in every byte of each row (i static: x's lane)."""
+            row: T.let[T.int32] = g * GROUP + STEP * i
+            c0: T.let[T.int8x16] = _columns(w, row, col)[0]
+            c1: T.let[T.int8x16] = _columns(w, row, col)[1]
+            c2: T.let[T.int8x16] = _columns(w, row, col)[2]
+            c3: T.let[T.int8x16] = _columns(w, row, col)[3]
+            for slot in T.unroll(rows):
+                for b in T.unroll(x_bytes):
+                    isum[lanes(slot, b, 0)] = dot(isum, c0, xq, r, g, i, slot, b, 0)
+                    isum[lanes(slot, b, 1)] = dot(isum, c1, xq, r, g, i, slot, b, 1)
+                    isum[lanes(slot, b, 2)] = dot(isum, c2, xq, r, g, i, slot, b, 2)
+                    isum[lanes(slot, b, 3)] = dot(isum, c3, xq, r, g, i, slot, b, 3)
+
+        @T.macro
+        def block_group(w, s, xq, d, acc, isum, r, g, blk, col):
+            """acc[rows of the block's 16 columns] += group g's sums * their scales * x's steps (8 steps of 4
+            code rows)."""
+            for j in T.unroll(rows * x_bytes * 4):
+                isum[T.Ramp(j * 4, 1, 4)] = T.Broadcast(0, 4)
+            step(w, xq, isum, r, g, col, 0)   # one line each: x's lane must be a Python int, not a loop variable
+            step(w, xq, isum, r, g, col, 1)
+            step(w, xq, isum, r, g, col, 2)
+            step(w, xq, isum, r, g, col, 3)
+            step(w, xq, isum, r, g, col, 4)
+            step(w, xq, isum, r, g, col, 5)
+            step(w, xq, isum, r, g, col, 6)
+            step(w, xq, isum, r, g, col, 7)
+            for slot in T.unroll(rows):
+                for v in T.unroll(4):
+                    acc[T.Ramp(slot * span + blk * BLOCK + v * 4, 1, 4)] = acc[
+                        T.Ramp(slot * span + blk * BLOCK + v * 4, 1, 4)] + T.Cast("float32x4", sums(isum, slot, v)) * (
+                        T.Cast("float32x4", s[g, T.Ramp(col + v * 4, 1, 4)]) * T.Broadcast(d[r + slot, g], 4))
+
+        @T.macro
+        def rows_pass(w, s, xq, d, out, acc, isum, task, r):
+            """Output rows r .. r + rows - 1 of the task's columns over all of K."""
+            for c in T.unroll(rows * span // 4):
+                acc[T.Ramp(c * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
+            for g in range(groups):
+                for blk in T.unroll(span // BLOCK):   # unrolled: x's lanes stay in the sdot (LICM hoisted and spilled them)
+                    col: T.let[T.int32] = task * span + blk * BLOCK
+                    block_group(w, s, xq, d, acc, isum, r, g, blk, col)
+            for slot in T.unroll(rows):
+                for c in T.unroll(span // 4):
+                    out[0, r + slot, T.Ramp(task * span + c * 4, 1, 4)] = T.Cast(
+                        f"{act}x4", acc[T.Ramp(slot * span + c * 4, 1, 4)])
+
+        return rows_pass
+
+    one_row, two_rows = macros(1), macros(2)
+    pair_rows = 2 if prompt else 1
 
     @T.prim_func(private=True)
     def kernel(w: T.Buffer((i64(k), i64(n)), "int8"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
@@ -139,17 +170,15 @@ def kn_q8_dot_kernel(n: int, k: int, act: str = "float16", scale_dtype: str = "f
         else:
             quantize_row(x, xq, d, base, 0)
         for task in T.parallel(n // span):
-            acc = T.alloc_buffer((span,), "float32")
-            isum = T.alloc_buffer((x_bytes * BLOCK,), "int32")
-            for r in range(m):
-                for c in T.unroll(span // 4):
-                    acc[T.Ramp(c * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
-                for g in range(groups):
-                    for blk in T.unroll(span // BLOCK):   # unrolled: x's lanes stay in the sdot (LICM hoisted and spilled them)
-                        col: T.let[T.int32] = task * span + blk * BLOCK
-                        block_group(w, s, xq, d, acc, isum, r, g, blk, col)
-                for c in T.unroll(span // 4):
-                    out[0, r, T.Ramp(task * span + c * 4, 1, 4)] = T.Cast(f"{act}x4", acc[T.Ramp(c * 4, 1, 4)])
+            acc = T.alloc_buffer((pair_rows * span,), "float32")
+            isum = T.alloc_buffer((pair_rows * x_bytes * BLOCK,), "int32")
+            if prompt:
+                for pair in range(m // 2):
+                    two_rows(w, s, xq, d, out, acc, isum, task, pair * 2)
+                if m % 2 == 1:
+                    one_row(w, s, xq, d, out, acc, isum, task, m - 1)
+            else:
+                one_row(w, s, xq, d, out, acc, isum, task, 0)
 
     return kernel
 
