@@ -148,6 +148,26 @@ def test_android_hexagon_cpu_half_q4_matmuls_get_the_kn_sdot_kernel(loaded):
     assert {on_npu.get(n) for n in kernels if "lm_head" not in n} >= {"hvx-q4-vrmpy", "hvx-q4-prefill-vrmpy"}, on_npu
 
 
+def test_android_hexagon_cpu_half_q8_matmuls_get_the_kn_q8_sdot_kernel(loaded):
+    """q8f16 on android-hexagon (plain KN int8 codes, no q8_tile): each q8 decode GEMV and prefill matmul of the
+    aarch64 library is arm_kn_q8.py's sdot kernel under cpu_arm_dot (before it, TVM's default schedule:
+    "cpu-default"), half of them decode GEMVs; the substitute reads the int8 codes as they are stored ([K, N])."""
+    target = load_target("android-hexagon")
+    mod, records = tune(fuse(define(loaded, load_quant("q8f16"), target), target), target)
+    kernels = _kernels(mod, DEQUANT)
+    assert kernels and {DEQUANT.fullmatch(name).group(1) for name in kernels} == {"q8"}
+    rules = {r.name: r.rule for r in records}
+    classes = []
+    for name, func in kernels.items():
+        assert rules[name] == "cpu_arm_dot" and not block_names(func), (name, rules[name])
+        assert "llvm.aarch64.neon.sdot" in func.script(), name
+        codes = next(p for p in func.params if str(p.dtype) == "int8")
+        out = func.params[-1]
+        assert int(codes.shape[1]) == int(out.shape[2]) and len(codes.shape) == 2, name   # KN: [K, N]
+        classes.append(str(func.attrs[OP_CLASS_ATTR]))
+    assert sorted(set(classes)) == ["dequant-gemv", "dequant-matmul"] and classes.count("dequant-gemv") == len(classes) // 2
+
+
 @pytest.mark.slow
 def test_android_hexagon_cpu_half_t3_matmuls_get_the_t3_sdot_kernel(loaded):
     """ternary_t3 on android-hexagon (KN codes): every t3 decode GEMV and prefill matmul of the aarch64 library is

@@ -133,10 +133,11 @@ def match_q4_kn(func: tirx.PrimFunc) -> tuple[int, int, str, str, bool, tuple[st
     return match
 
 
-def match_kn(func: tirx.PrimFunc, block: str, per_word: int, group: int) -> tuple[int, int, str, str, bool, tuple[str, ...]] | None:
-    """`match_q4_kn` for the dequantize block `block` of codes `per_word` to a uint32 (rows padded to whole
-    words: [ceil(K / per_word), N]) and one scale per `group` along K ([ceil(K / group), N]); the kernel checks
-    which K and N it takes."""
+def match_kn(func: tirx.PrimFunc, block: str, per_word: int, group: int,
+             code_dtype: str = "uint32") -> tuple[int, int, str, str, bool, tuple[str, ...]] | None:
+    """`match_q4_kn` for the dequantize block `block` of codes `per_word` to a `code_dtype` element (rows padded
+    to whole words: [ceil(K / per_word), N]; int8 q8 codes: per_word 1) and one scale per `group` along K
+    ([ceil(K / group), N]); the kernel checks which K and N it takes."""
     found = blocks(func)
     if [b.name_hint for b in found] != [block, "matmul"] or len(func.params) != 4:
         return None
@@ -156,7 +157,7 @@ def match_kn(func: tirx.PrimFunc, block: str, per_word: int, group: int) -> tupl
 
     roles = []
     for p in params[:-1]:
-        if str(p.dtype) == "uint32" and len(p.shape) == 2:
+        if str(p.dtype) == code_dtype and len(p.shape) == 2:
             roles.append("codes")
         elif is_x(p):
             roles.append("x")
