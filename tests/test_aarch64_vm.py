@@ -82,7 +82,7 @@ T3_PTQ = "name: ternary_t3_ptq\nweight_format: t3\nweight_dtype: float16\nlayout
 
 @needs_tools
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", ["q4f16", "ternary_ptq", "t3_ptq"])
+@pytest.mark.parametrize("quant", ["q4f16", "q8f16", "ternary_ptq", "t3_ptq"])
 def test_smollm2_android_cpu_decode_under_qemu_matches_host(build_bundle, quant, tmp_path_factory):
     """ternary_ptq: t2 rows interleaved by 8 on the phone (arm_rows.py), KN tiles on the host; the same trits
     and scales (the PTQ is deterministic), the lm_head / embeddings q8. Measured 2026-12-06: at most 0.0108 of
