@@ -75,7 +75,7 @@ class AArch64Kernels:
         return sorted(n[len(head):] for n in out if n.startswith(head))
 
     def call(self, name: str, args: list) -> list:
-        """Run kernel `name` on copies of `args` (numpy arrays / ints); returns them with the outputs filled."""
+        """Run kernel `name` on copies of `args` (numpy arrays / ints / floats); returns them with the outputs filled."""
         with tempfile.TemporaryDirectory(prefix="qemu-kernel-") as tmp:
             folder = Path(tmp)
             args_file, results = write_args(folder, args, write_back=True)
@@ -90,7 +90,7 @@ class AArch64Kernels:
 
 
 def write_args(folder: Path, args: list, write_back: bool) -> tuple[Path, list]:
-    """The harness's argument file for `args` (numpy arrays / ints) in `folder`: (its path, [(index, array, output
+    """The harness's argument file for `args` (numpy arrays / ints / floats) in `folder`: (its path, [(index, array, output
     file)] for the arrays, whose outputs the harness writes back only when `write_back`)."""
     lines, results = [], []
     for i, arg in enumerate(args):
@@ -101,6 +101,8 @@ def write_args(folder: Path, args: list, write_back: bool) -> tuple[Path, list]:
             lines.append(f"T {_DL_CODES[arr.dtype.kind]} {arr.dtype.itemsize * 8} {arr.ndim} "
                          f"{' '.join(map(str, arr.shape))} {src} {dst if write_back else '-'}")
             results.append((i, arr, dst))
+        elif isinstance(arg, float):
+            lines.append(f"F {arg!r}")
         else:
             lines.append(f"I {int(arg)}")
     (folder / "args.txt").write_text("\n".join(lines) + "\n")

@@ -176,6 +176,11 @@ static int call(const char* name, const char* arg_file) {
       if (fscanf(f, "%lld", &v) != 1) return 2;
       args[num_args].type_index = kTVMFFIInt;
       args[num_args].v_int64 = v;
+    } else if (kind[0] == 'F') {
+      double v;
+      if (fscanf(f, "%lf", &v) != 1) return 2;
+      args[num_args].type_index = kTVMFFIFloat;
+      args[num_args].v_float64 = v;
     } else {
       fprintf(stderr, "bad argument kind %s in %s\n", kind, arg_file);
       return 2;
