@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import tvm
-from test_cpu_attention import D, H_KV, H_Q, PAGE, SM, paged, reference
+from test_cpu_attention import H_KV, H_Q, PAGE, SM, D, paged, reference
 
 from pipeline.kernels.cpu import attention as ca
 from pipeline.kernels.cpu import rope as cpu_rope
