@@ -182,3 +182,23 @@ def test_android_hexagon_cpu_half_t3_matmuls_get_the_t3_sdot_kernel(loaded):
         assert rules[name] == "cpu_arm_dot" and not block_names(func), name
         assert "llvm.aarch64.neon.sdot" in func.script(), name
         assert str(func.attrs[OP_CLASS_ATTR]).endswith("-ternary"), name
+
+
+@pytest.mark.parametrize("quant,fmt", [("ternary_ptq", "t2"), ("binary_ptq", "b1")])
+def test_android_hexagon_cpu_half_t2_b1_matmuls_get_the_kn_sign_sdot_kernel(loaded, quant, fmt):
+    """A ternary / binary scheme on android-hexagon (plain KN t2 / b1 codes): each of its decode GEMVs and prefill
+    matmuls in the aarch64 library is arm_kn_signs.py's sdot kernel under cpu_arm_dot (before it, TVM's default
+    schedule: "cpu-default"), reading the codes as stored ([K / per_word, N]); the q8 lm_head keeps arm_kn_q8.py's."""
+    target = load_target("android-hexagon")
+    mod, records = tune(fuse(define(loaded, load_quant(quant), target), target), target)
+    kernels = {name: f for name, f in _kernels(mod, DEQUANT).items() if DEQUANT.fullmatch(name).group(1) == fmt}
+    rules = {r.name: r.rule for r in records}
+    assert len(kernels) == 8, sorted(rules)    # qkv, o, gate_up, down: decode + prompt
+    classes = []
+    for name, func in kernels.items():
+        assert rules[name] == "cpu_arm_dot" and not block_names(func), (name, rules[name])
+        assert "llvm.aarch64.neon.sdot" in func.script(), name
+        codes = next(p for p in func.params if str(p.dtype) == "uint32")
+        assert len(codes.shape) == 2 and int(codes.shape[1]) == int(func.params[-1].shape[2]), name   # KN
+        classes.append(str(func.attrs[OP_CLASS_ATTR]))
+    assert sorted(classes) == ["dequant-gemv-ternary"] * 4 + ["dequant-matmul-ternary"] * 4

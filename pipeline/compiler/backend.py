@@ -102,7 +102,7 @@ class NpuBackend(Backend):
               report: Reporter | None = None, unscheduled: dict[str, Any] | None = None) -> list[KernelSchedule]:
         """The NPU's share, from the HVX code each candidate compiles to; one output line per candidate. The HVX
         kernels are made from the fused functions (`unscheduled`), not from the aarch64 kernels the CPU rules
-        substituted (kernels/cpu/arm_kn.py, arm_kn_q8.py), which stay the CPU library's fallback."""
+        substituted (kernels/cpu/arm_kn.py, arm_kn_q8.py, arm_kn_signs.py), which stay the CPU library's fallback."""
         self._fused = tvm.IRModule(unscheduled) if unscheduled else mod
         placed = partition(self._fused, schedules, self.spec.npu, vocab_size)
         for line in placement_lines(placed) if report is not None else ():

@@ -16,6 +16,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from pipeline.kernels.cpu.arm import arm_dot_like
 from pipeline.kernels.cpu.arm_kn import arm_kn_dot_like
 from pipeline.kernels.cpu.arm_kn_q8 import arm_kn_q8_dot_like
+from pipeline.kernels.cpu.arm_kn_signs import arm_kn_sign_dot_like
 from pipeline.kernels.cpu.arm_mmla import arm_mmla_like
 from pipeline.kernels.cpu.arm_rows import arm_rows_like
 from pipeline.kernels.cpu.arm_t3 import arm_t3_like
@@ -36,13 +37,15 @@ class CPUArmDot(ScheduleRule):
     """AArch64 with dotprod: a fused decode GEMV or prefill matmul of NK q4 / q8 / t2 / b1 codes (android-cpu)
     becomes arm.py's sdot kernel (rows interleaved: arm_rows.py's; their prefill matmul with i8mm: arm_mmla.py's
     smmla kernel), of NK t3 codes arm_t3.py's, of KN q4 codes (android-hexagon's CPU half) arm_kn.py's, of plain KN
-    q8 codes arm_kn_q8.py's; any other function is left to the next rule (or TVM's default schedule)."""
+    q8 codes arm_kn_q8.py's, of plain KN t2 / b1 codes arm_kn_signs.py's; any other function is left to the next
+    rule (or TVM's default schedule)."""
 
     def apply(self, func: tirx.PrimFunc, target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or not has_dotprod(target):
             return None
         kernel = ((arm_mmla_like(func) if has_i8mm(target) else None) or arm_rows_like(func) or arm_dot_like(func)
-                  or arm_t3_like(func) or arm_kn_dot_like(func) or arm_kn_q8_dot_like(func))
+                  or arm_t3_like(func) or arm_kn_dot_like(func) or arm_kn_q8_dot_like(func)
+                  or arm_kn_sign_dot_like(func))
         return None if kernel is None else s_tir.Schedule(kernel)
 
 
