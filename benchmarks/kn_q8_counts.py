@@ -33,8 +33,9 @@ SMALL = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_s
              rms_norm_eps=1e-5, rope_theta=1e5)
 
 
-def _fused_q8() -> dict[tuple[int, int, bool], object]:
-    """{(N, K, prompt): the fused KN q8 dequantize + matmul} of an android-hexagon q8f16 build of SMALL."""
+def fused_kn(scheme: str, block: str) -> dict[tuple[int, int, bool], object]:
+    """{(N, K, prompt): the fused KN dequantize (block `block`) + matmul} of an android-hexagon `scheme` build of
+    SMALL, unscheduled, as that build compiled them."""
     from tvm import tirx
 
     from pipeline.config import ModelSpec, load_quant, load_target
@@ -45,28 +46,33 @@ def _fused_q8() -> dict[tuple[int, int, bool], object]:
     loaded = Loaded(ModelSpec(name="small", hf_config=SMALL, weights=None), SMALL, config_from_hf(SMALL), None)
     target = load_target("android-hexagon")
     out = {}
-    for _, func in fuse(define(loaded, load_quant("q8f16"), target), target).functions_items():
-        if isinstance(func, tirx.PrimFunc) and block_names(func) == ["dequantize_q8_kn", "matmul"]:
-            k, n = (int(d) for d in next(p for p in func.params if str(p.dtype) == "int8").shape)
+    for _, func in fuse(define(loaded, load_quant(scheme), target), target).functions_items():
+        if isinstance(func, tirx.PrimFunc) and block_names(func) == [block, "matmul"]:
+            n, k = int(func.params[-1].shape[2]), int(func.params[-2].shape[2])   # out [1, m, N], x [1, m, K]
             out[(n, k, not isinstance(func.params[-1].shape[1], tirx.IntImm))] = func
     return out
+
+
+def layer_cases(shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int, bool]]:
+    """{case: (N, K, prompt)}: a decode GEMV of every shape, a prompt of the PROMPTED ones."""
+    return {**{role: (n, k, False) for role, (n, k) in shapes.items()},
+            **{f"{role}_prompt": (*shapes[role], True) for role in PROMPTED if role in shapes}}
+
+
+def cases() -> dict[str, tuple[int, int, bool]]:
+    return layer_cases(SHAPES)
 
 
 def kernels() -> dict:
     """{name: PrimFunc}: ours_<case> (arm_kn_q8.py) and default_<case> (the fused function as the build had it)."""
     from pipeline.kernels.cpu.arm_kn_q8 import kn_q8_dot_kernel
 
-    fused = _fused_q8()
+    fused = fused_kn("q8f16", "dequantize_q8_kn")
     funcs = {}
     for case, (n, k, prompt) in cases().items():
         funcs[f"ours_{case}"] = kn_q8_dot_kernel(n, k, "float16", "float16", prompt)
         funcs[f"default_{case}"] = fused[(n, k, prompt)]
     return {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
-
-
-def cases() -> dict[str, tuple[int, int, bool]]:
-    return {**{role: (n, k, False) for role, (n, k) in SHAPES.items()},
-            **{f"{role}_prompt": (*SHAPES[role], True) for role in PROMPTED}}
 
 
 def inputs(n: int, k: int, rows: int, rng) -> list[np.ndarray]:
@@ -75,44 +81,58 @@ def inputs(n: int, k: int, rows: int, rng) -> list[np.ndarray]:
             rng.standard_normal((1, rows, k)).astype(np.float16), np.zeros((1, rows, n), np.float16)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def count_calls(funcs: dict, case_inputs, prefix: str) -> dict[str, dict]:
+    """{kernel name: its counts}: each of `funcs` (ours_<case> / default_<case>) built into one aarch64 harness and
+    called once, one task, on case_inputs(case) = (N, K, rows, arguments); counted inside its own code."""
     from pipeline.verify.qemu_aarch64 import build_kernels
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/kn_q8_counts")
-    out = Path(parser.parse_args(argv).out)
-    rng = np.random.default_rng(0)
-    rows, funcs = {}, kernels()
-    with tempfile.TemporaryDirectory(prefix="kn-q8-") as tmp:
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         build_kernels(funcs, TARGET, "", Path(tmp))
         exe = Path(tmp) / "harness"
         spans = extended_ranges(exe)
         for name in funcs:
-            case = name.split("_", 1)[1]
-            n, k, prompt = cases()[case]
-            m = PROMPT if prompt else 1
+            n, k, m, args = case_inputs(name.split("_", 1)[1])
             ranges = [r for sym, r in spans.items() if name in sym]   # another kernel's: not run in this call
-            c = count_single_task(exe, name, inputs(n, k, m, rng), ranges)
+            c = count_single_task(exe, name, args, ranges)
             rows[name] = {"n": n, "k": k, "rows": m, "insns": c.range["insns"], "vector_insns": c.range["vector_insns"],
                           "per_weight": round(c.range["insns"] / (n * k * m), 4)}
             print(f"{name}: {c.range['insns'] / 1e3:.1f} k instructions, {rows[name]['per_weight']} per weight")
+    return rows
+
+
+def write_results(out: Path, rows: dict, head: list[str], labels: dict[str, str]) -> None:
+    """The counts as JSON and a markdown table (`head` above it), one line per case: labels[case]."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["# android-hexagon CPU half, KN q8: instructions per call under qemu-aarch64",
-             "",
-             "One thread, inside the kernels' code only (x's quantization included), `python -m benchmarks.kn_q8_counts`;",
-             f"ours: arm_kn_q8.py (sdot, two-byte x); cpu-default: the fused function left to TVM. Prompts: {PROMPT} rows,",
-             "per weight and row.",
-             "",
+    lines = [*head, "",
              "| shape (N x K) | cpu-default: k instr / call (per weight) | ours: k instr / call (per weight) | ratio |",
              "|---|---|---|---|"]
-    for case in cases():
+    for case, label in labels.items():
         ours, default = rows[f"ours_{case}"], rows[f"default_{case}"]
-        n, k, _ = cases()[case]
-        lines.append(f"| {case} ({n} x {k}) | {default['insns'] / 1e3:.1f} ({default['per_weight']}) | "
+        lines.append(f"| {label} | {default['insns'] / 1e3:.1f} ({default['per_weight']}) | "
                      f"{ours['insns'] / 1e3:.1f} ({ours['per_weight']}) | {default['insns'] / ours['insns']:.1f}x |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/kn_q8_counts")
+    out = Path(parser.parse_args(argv).out)
+    rng = np.random.default_rng(0)
+
+    def case_inputs(case):
+        n, k, prompt = cases()[case]
+        m = PROMPT if prompt else 1
+        return n, k, m, inputs(n, k, m, rng)
+
+    rows = count_calls(kernels(), case_inputs, "kn-q8-")
+    write_results(out, rows, [
+        "# android-hexagon CPU half, KN q8: instructions per call under qemu-aarch64", "",
+        "One thread, inside the kernels' code only (x's quantization included), `python -m benchmarks.kn_q8_counts`;",
+        f"ours: arm_kn_q8.py (sdot, two-byte x); cpu-default: the fused function left to TVM. Prompts: {PROMPT} rows,",
+        "per weight and row."], {case: f"{case} ({n} x {k})" for case, (n, k, _) in cases().items()})
     return 0
 
 
