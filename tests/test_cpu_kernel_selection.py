@@ -92,7 +92,8 @@ NK_DEQUANT = re.compile(r"fused_dequantize_(q4|q8|t2|t3|b1)_nk\d*_matmul\d*")
 @pytest.mark.parametrize("quant,formats,rows", [("q4f16", {"q4"}, 8), pytest.param("q4f16", {"q4"}, 0, marks=SLOW),
                                                 ("q8f16", {"q8"}, 8), pytest.param("q8f16", {"q8"}, 0, marks=SLOW),
                                                 ("ternary_ptq", {"t2", "q8"}, 8),
-                                                ("ternary_t3", {"t3", "q8"}, 8),
+                                                pytest.param("ternary_t3", {"t3", "q8"}, 8, marks=SLOW),   # ~70 s; arm_t3's
+                                                # kernels run under qemu in the default suite (test_arm_t3.py)
                                                 pytest.param("ternary_ptq", {"t2", "q8"}, 0, marks=pytest.mark.slow),
                                                 pytest.param("binary_ptq", {"b1", "q8"}, 8, marks=pytest.mark.slow)])
 def test_android_cpu_dequant_matmuls_get_the_sdot_kernel(loaded, quant, formats, rows):
