@@ -113,6 +113,21 @@ def quantize_row_macro(group: int, k: int, x_bytes: int, offset: int, position, 
     return quantize_row
 
 
+def quantize_rows_macro(quantize_row, prompt: bool):
+    """A TIR macro quantize_rows(x, xq, d, base, m) around a quantize_row macro (quantize_row_macro or a kernel's
+    own): a prompt's m rows quantized in parallel before the tasks read them, one token's row 0 alone."""
+
+    @T.macro
+    def quantize_rows(x, xq, d, base, m):
+        if prompt:
+            for r in T.parallel(m):
+                quantize_row(x, xq, d, base, r)
+        else:
+            quantize_row(x, xq, d, base, 0)
+
+    return quantize_rows
+
+
 def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scale_dtype: str = "float16",
                   prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
     """out[1, m, n] = x[1, m, k] @ dequantize(codes [n, k / codes], scales [n, groups]) for NK `spec` codes,
@@ -159,7 +174,8 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
         shifted = T.reinterpret("int8x16", T.shift_right(T.reinterpret("uint8x16", v), T.Broadcast(T.uint8(bits * f), 16)))
         return shifted if f == fields - 1 else T.bitwise_and(shifted, T.Broadcast(T.int8(mask), 16))
 
-    quantize_row = quantize_row_macro(group, k, x_bytes, spec.offset, lambda g, j: g * group + dot_layout(spec, j))
+    quantize_rows = quantize_rows_macro(quantize_row_macro(
+        group, k, x_bytes, spec.offset, lambda g, j: g * group + dot_layout(spec, j)), prompt)
 
     def row_scales(s, row, g):
         """The scales of group g of rows row .. row + 3, one vector (NK: a column of the scale matrix)."""
@@ -204,11 +220,7 @@ def nk_dot_kernel(spec: PackedFormat, n: int, k: int, act: str = "float16", scal
         xq = T.alloc_buffer((m, x_bytes, groups * group), "int8")
         d = T.alloc_buffer((m, groups), "float32")
         base = T.alloc_buffer((m, groups * 4), "int32")
-        if prompt:
-            for r in T.parallel(m):
-                quantize_row(x, xq, d, base, r)
-        else:
-            quantize_row(x, xq, d, base, 0)
+        quantize_rows(x, xq, d, base, m)
         for task in T.parallel(n // ROWS):
             acc = T.alloc_buffer((ROWS * 4,), "float32")
             for r in range(m):

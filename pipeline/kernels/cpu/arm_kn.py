@@ -26,7 +26,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from pipeline.formats import GROUP, ZERO
-from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES
+from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES, quantize_rows_macro
 from pipeline.kernels.cpu.packed import substitute
 from pipeline.kernels.cpu.recognize import blocks
 
@@ -94,6 +94,8 @@ def kn_q4_dot_kernel(n: int, k: int, act: str = "float16", scale_dtype: str = "f
                 acc[b] = T.call_llvm_pure_intrin("int32x4", SDOT, acc[b], high, x_lanes(xw, r, b, g, 2 * wi + 1))
         return acc[0] if x_bytes == 1 else acc[0] * T.Broadcast(256, 4) + acc[1]
 
+    quantize_rows = quantize_rows_macro(quantize_row, prompt)
+
     @T.prim_func(private=True)
     def kernel(w: T.Buffer((i64(rows), i64(n)), "uint32"), s: T.Buffer((i64(groups), i64(n)), scale_dtype),
                x: T.Buffer((i64(1), m, i64(k)), act), out: T.Buffer((i64(1), m, i64(n)), act)):
@@ -101,11 +103,7 @@ def kn_q4_dot_kernel(n: int, k: int, act: str = "float16", scale_dtype: str = "f
         xw = T.alloc_buffer((m, x_bytes, groups * 2 * WORDS), "int32")
         d = T.alloc_buffer((m, groups), "float32")
         base = T.alloc_buffer((m, groups), "int32")
-        if prompt:
-            for r in T.parallel(m):
-                quantize_row(x, xw, d, base, r)
-        else:
-            quantize_row(x, xw, d, base, 0)
+        quantize_rows(x, xw, d, base, m)
         for task in T.parallel(n // COLUMNS):
             acc = T.alloc_buffer((COLUMNS,), "float32")
             for r in range(m):

@@ -38,7 +38,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from pipeline.formats import GROUP
-from pipeline.kernels.cpu.arm import SDOT, X_BYTES, quantize_row_macro
+from pipeline.kernels.cpu.arm import SDOT, X_BYTES, quantize_row_macro, quantize_rows_macro
 from pipeline.kernels.cpu.arm_kn import match_kn
 from pipeline.kernels.cpu.packed import substitute
 
@@ -76,7 +76,7 @@ def kn_q8_dot_kernel(n: int, k: int, act: str = "float16", scale_dtype: str = "f
     span = task_span(n)
     i64 = T.int64
     m = tirx.Var("seq_len", "int64") if prompt else i64(1)
-    quantize_row = quantize_row_macro(GROUP, k, x_bytes, 0, lambda g, j: g * GROUP + j)
+    quantize_rows = quantize_rows_macro(quantize_row_macro(GROUP, k, x_bytes, 0, lambda g, j: g * GROUP + j), prompt)
 
     def x_lanes(xq, r, b, g, i):
         """x row r's values g 32 + 4 i .. + 3 (byte b) as one word broadcast to the 4 lanes: a lane of a 16-byte
@@ -164,11 +164,7 @@ def kn_q8_dot_kernel(n: int, k: int, act: str = "float16", scale_dtype: str = "f
         xq = T.alloc_buffer((m, x_bytes, k), "int8")
         d = T.alloc_buffer((m, groups), "float32")
         base = T.alloc_buffer((m, groups * 4), "int32")   # quantize_row's offset terms: 0 for q8, unread
-        if prompt:
-            for r in T.parallel(m):
-                quantize_row(x, xq, d, base, r)
-        else:
-            quantize_row(x, xq, d, base, 0)
+        quantize_rows(x, xq, d, base, m)
         for task in T.parallel(n // span):
             acc = T.alloc_buffer((pair_rows * span,), "float32")
             isum = T.alloc_buffer((pair_rows * x_bytes * BLOCK,), "int32")

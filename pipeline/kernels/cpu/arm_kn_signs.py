@@ -40,7 +40,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from pipeline.kernels.cpu.arm import SDOT, X_BYTES, quantize_row_macro
+from pipeline.kernels.cpu.arm import SDOT, X_BYTES, quantize_row_macro, quantize_rows_macro
 from pipeline.kernels.cpu.arm_kn import match_kn
 from pipeline.kernels.cpu.packed import FORMATS, substitute
 
@@ -73,7 +73,8 @@ def kn_sign_dot_kernel(fmt: str, n: int, k: int, act: str = "float16", scale_dty
     vecs = COLUMNS // 4
     i64 = T.int64
     m = tirx.Var("seq_len", "int64") if prompt else i64(1)
-    quantize_row = quantize_row_macro(group, k, x_bytes, spec.offset, lambda g, j: g * group + x_position(fmt, j))
+    quantize_rows = quantize_rows_macro(quantize_row_macro(
+        group, k, x_bytes, spec.offset, lambda g, j: g * group + x_position(fmt, j)), prompt)
 
     def field(v, f):
         """Field f of every byte of code vector v as int8x16: t2 the 2-bit code (`and` / `ushr`: 6 ops for 4
@@ -160,11 +161,7 @@ def kn_sign_dot_kernel(fmt: str, n: int, k: int, act: str = "float16", scale_dty
         xq = T.alloc_buffer((m, x_bytes, groups * group), "int8")
         d = T.alloc_buffer((m, groups), "float32")
         base = T.alloc_buffer((m, groups * 4), "int32")
-        if prompt:
-            for r in T.parallel(m):
-                quantize_row(x, xq, d, base, r)
-        else:
-            quantize_row(x, xq, d, base, 0)
+        quantize_rows(x, xq, d, base, m)
         for task in T.parallel(n // COLUMNS):
             acc = T.alloc_buffer((pair_rows * COLUMNS,), "float32")
             isum = T.alloc_buffer((pair_rows * x_bytes * COLUMNS,), "int32")
