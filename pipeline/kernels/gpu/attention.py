@@ -30,10 +30,11 @@ import math
 import tvm
 from tvm.script import tirx as T
 
+from pipeline.kernels.gpu import FILL_GROUPS
+
 W = 64            # work-items per work-group of the split launch = keys per tile
 VEC = 8           # elements of a K / V row per vector load (16 bytes of fp16)
 METAL_VEC = 4     # Metal has no 8-wide float vectors
-FILL_GROUPS = 48  # work-groups wanted per launch for one sequence: 4 per shader processor (Adreno 750: 12)
 LOG2E = math.log2(math.e)
 NEG = -5e4        # TVM's "minus infinity" for a running max
 PLAN_ATTR = "pipeline.gpu_plan"   # the launch, for the coverage report's cost columns (report/gpu_cost.py)

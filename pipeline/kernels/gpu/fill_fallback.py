@@ -24,7 +24,8 @@ from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-FILL_GROUPS = 48   # work-groups that fill an Adreno 750 (4 per shader processor, 12 SPs)
+from pipeline.kernels.gpu import FILL_GROUPS
+
 MIN_THREADS = 32
 
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-FILL_GROUPS = 48   # work-groups wanted per launch: 4 per shader processor of an Adreno 750 (12 SPs)
+from pipeline.kernels.gpu import FILL_GROUPS
+
 ROWS = 8           # state rows per work-item aimed for (x VC columns: 32 floats of registers at VC 4)
 PLAN_ATTR = "pipeline.gpu_plan"   # the launch, for the coverage report's cost columns (report/gpu_cost.py)
 

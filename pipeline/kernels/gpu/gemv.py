@@ -29,8 +29,9 @@ from tvm.script import tirx as T
 from pipeline.errors import CompileError
 from pipeline.formats import B1_PER_WORD, CODES_PER_WORD, GROUP, SIGN_GROUP, T2_PER_WORD, ZERO
 from pipeline.kernels.cpu.recognize import blocks
+from pipeline.kernels.gpu import FILL_GROUPS
 
-MIN_GROUPS = 48          # work-groups per launch wanted: 4 per shader processor of an Adreno 750 (12 SPs)
+MIN_GROUPS = FILL_GROUPS  # work-groups per launch wanted (kernels/gpu/__init__.py)
 WG_ITEMS = 64            # work-items per work-group (one Adreno wave) when K has enough chunks for them
 LOAD_BYTES = 16          # bytes of codes a work-item loads per step when N allows
 X_VECTOR = 8             # x is read 8 values at a time (OpenCL vectors stop at 16 lanes; b1 rows hold 32)

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-FILL_GROUPS = 48   # work-groups that fill an Adreno 750 (4 per shader processor, 12 SPs)
+from pipeline.kernels.gpu import FILL_GROUPS
+
 PLAN_ATTR = "pipeline.gpu_plan"   # the launch, for the coverage report's cost columns (report/gpu_cost.py)
 SPEC_ATTR = "pipeline.norm_rows"  # the NormSpec: enough to make the kernel's LLVM variant
 
