@@ -6,7 +6,11 @@ The paged KV cache splits the fused QKV projection and rotates Q and K with `tir
 ~2,900 libm calls per layer per token: 0.3 ms of a decode step, 30 ms of a 128-token prefill.
 The angle depends on the position and the dim only, so this kernel fills a table of rotary_dim cosines
 and sines per token (the same frequency expressions as TVM's, `switch_rope_freq_func`), then rotates every
-head from the table with vector loads: one table per token, shared by all heads.
+head from the table with vector loads: one table per token, shared by all heads. The fill is unrolled over
+the dims, so LLVM folds each dim's frequency (the `powf`) to a constant, and where the two halves' angles are
+then the same (rotate-half frequencies: default, llama3) it computes each cosf / sinf once: SmolLM2's table
+went from 64 x (powf, cosf, sinf) to 32 x (cosf, sinf) per token and layer (call sites read from the aarch64
+object), 10.6 k -> 3.7 k instructions per token counted under qemu-aarch64 (the kernel and its libm calls).
 
 Same name, signature and outputs; tokens run in parallel when there are enough of them (a prompt), serially
 for a decode step. Needs the model's RoPE settings, which the model hands over as the function attribute
@@ -87,7 +91,7 @@ def table_rope(theta: float, scale: float, head_dim: int, num_q_heads: int, num_
     def one_token(qkv, position_map, q, k, v, apply_rope, s):
         cs = T.decl_buffer((rotary_dim,), "float32")
         sn = T.decl_buffer((rotary_dim,), "float32")
-        for d in range(rotary_dim):
+        for d in T.unroll(rotary_dim):  # unrolled: each dim's frequency a constant (no powf per token)
             cs[d] = cos_of(position_map[s], d)
             sn[d] = sin_of(position_map[s], d)
         for h in range(num_q_heads):
