@@ -58,6 +58,7 @@ ROW_CASES = {
     "rows8_prompt": ("q4", 192, 576, 8, "float16", True, 2),
     "rows8_int8": ("q4", 576, 1536, 8, "float16", False, 1),
     "rows4_int8_prompt": ("q4", 128, 576, 4, "float16", True, 1),
+    "rows8_int8_prompt": ("q4", 128, 576, 8, "float16", True, 1),     # the prompt's default: 4 rows per pass
     "q8_rows8_960x576": ("q8", 960, 576, 8, "float16", False, 2),
     "q8_rows8_576x1536": ("q8", 576, 1536, 8, "float16", False, 2),
     "q8_rows8_prompt": ("q8", 128, 576, 8, "float16", True, 2),
@@ -229,10 +230,11 @@ def test_interleaved_rows_kernel_matches_numpy_under_qemu(built, name):
 
 
 def test_prompt_rows_in_pairs_share_each_code_vector(built):
-    """Read from the object: the interleaved prefill kernels' loop over a tile's groups for two prompt rows at
-    once (arm_rows.PROMPT_ROWS) holds twice the sdot's of the one-row loop in fewer than twice its
-    instructions (the code loads and nibble splits serve both rows): measured q4 0.25, q8 0.227 instructions
-    per weight and row, against 0.297 / 0.246 one row at a time."""
+    """Read from the object: the interleaved prefill kernels' loop over a tile's groups for several prompt rows at
+    once (arm_rows.PROMPT_ROWS: 2 with two-byte x, 4 with int8 x, the prompt's default) holds their sdot's in
+    fewer instructions than one row at a time (the code loads and nibble splits serve all rows): measured q4
+    0.25, q8 0.227 instructions per weight and row with two-byte x (0.297 / 0.246 one row at a time), q4 with
+    int8 x and 4 rows 0.137."""
     import re
 
     from pipeline.kernels.cpu.arm_code import disassemble, functions
@@ -241,7 +243,7 @@ def test_prompt_rows_in_pairs_share_each_code_vector(built):
     if objdump is None:
         pytest.skip("needs llvm-objdump (Debian llvm)")
     code = functions(disassemble(built[2][0], objdump))
-    for name, limit in (("rows8_prompt", 0.26), ("q8_rows8_prompt", 0.235)):
+    for name, rows, limit in (("rows8_prompt", 2, 0.26), ("q8_rows8_prompt", 2, 0.235), ("rows8_int8_prompt", 4, 0.14)):
         insns = code[f"{name}_compute_"]
         loops = []
         for i, insn in enumerate(insns):
@@ -249,5 +251,18 @@ def test_prompt_rows_in_pairs_share_each_code_vector(built):
             if target and int(target.group(1), 16) < insn.address:
                 body = [c for c in insns[: i + 1] if c.address >= int(target.group(1), 16)]
                 loops.append((sum(c.dot for c in body), len(body)))
-        pair = min(length for dots, length in loops if dots == 64)     # 2 rows x 32 sdot per 8-row group step
-        assert pair * 2 / (64 * 16) <= limit, (name, pair)
+        # per 8-row group step: 2 rows x 32 sdot (two-byte x) or 4 rows x 16 (int8 x), 256 weights per row
+        step = min(length for dots, length in loops if dots == 64)
+        assert step / (256 * rows) <= limit, (name, step)
+
+
+def test_prompt_defaults_to_int8_x_and_decode_to_two_bytes():
+    """rows_dot_kernel without x_bytes: a prompt's kernel is the int8 one, a decode GEMV's the two-byte one."""
+    import tvm_ffi
+
+    spec = NK_FORMATS["q4"]
+    for prompt, x_bytes in ((True, 1), (False, 2)):
+        assert tvm_ffi.structural_equal(rows_dot_kernel(spec, 128, 576, 8, prompt=prompt),
+                                        rows_dot_kernel(spec, 128, 576, 8, prompt=prompt, x_bytes=x_bytes))
+    assert not tvm_ffi.structural_equal(rows_dot_kernel(spec, 128, 576, 8, prompt=True),
+                                        rows_dot_kernel(spec, 128, 576, 8, prompt=True, x_bytes=2))

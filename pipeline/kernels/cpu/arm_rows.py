@@ -29,6 +29,9 @@ plane. The last group may be shorter (K = 576: 64 values). Over plain NK rows (a
 group reduction and x was shared by 4 rows only: 0.332 instructions per weight in the hot loop there, 0.256
 here (SmolLM2 shapes, whole calls with x's quantization: 0.36-0.40 there, 0.27-0.28 here).
 
+A prompt's x is quantized to int8 (PROMPT_X_BYTES: one sdot per code vector and row, as llama.cpp and the
+smmla prefill do; decode keeps two-byte x) and runs PROMPT_ROWS[1] = 4 rows per pass over a tile's codes:
+0.141 instructions per q4 weight and row, 0.130 q8, 0.114 t2 (two-byte x, 2 rows: 0.255 / 0.227 / 0.218).
 A prompt runs every row of x inside the task (a task's tile of weights, tile x K / 2 bytes, stays in L1);
 each task owns one tile of output rows, TVM's parallel loop gives each thread a contiguous range of tiles,
 so 1 and 4 threads compute every output identically.
@@ -44,9 +47,15 @@ from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES
 from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_PACKED, TILED_Q8, PackedFormat, substitute
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 
-# prefill: prompt rows per pass over a tile's codes. Measured from the object (q4, 8-row tile, two-byte x): 2 rows
-# 0.25 instructions per weight and row; 3 rows 0.285 and 4 rows 0.40, the accumulators spilled to the stack.
-PROMPT_ROWS = 2
+# prefill x in int8 (step max|x| / 127 per group: llama.cpp's Q8_0, and the i8mm class's smmla prefill): one sdot per
+# code vector and prompt row instead of two; decode keeps arm.X_BYTES. Accuracy: docs/kernels.md (the same int8
+# values as the smmla prefill's, measured there against two-byte x).
+PROMPT_X_BYTES = 1
+# prefill: prompt rows per pass over a tile's codes, by x's bytes. Counted under qemu-aarch64 (whole calls, 1536 x
+# 576, 32 prompt rows, 8-row tiles), instructions per weight and row: two-byte x q4 0.255 with 2 rows (3 rows
+# 0.258: the accumulators spill); int8 x q4 0.167 / 0.152 / 0.141 / 0.156 with 2 / 3 / 4 / 5 rows, q8 0.141 ->
+# 0.130 and t2 0.136 -> 0.114 from 2 to 4 rows.
+PROMPT_ROWS = {2: 2, 1: 4}
 
 
 def interleaved_position(j, bits: int = 4):
@@ -171,12 +180,15 @@ def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: f
 
 
 def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "float16",
-                    scale_dtype: str = "float16", prompt: bool = False, x_bytes: int = X_BYTES) -> tirx.PrimFunc:
+                    scale_dtype: str = "float16", prompt: bool = False, x_bytes: int | None = None) -> tirx.PrimFunc:
     """out[1, m, n] = x[1, m, k] @ dequantize(codes, scales [n / tile, groups, tile]) for row-interleaved codes
     (q4: uint32 [n / tile, k / 8, tile]; q8: int8 [n / tile, k / 4, 4 tile], quantize.interleave_q8); m = 1
-    (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes."""
+    (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes (None: PROMPT_X_BYTES for a prompt, else
+    X_BYTES)."""
     assert check_rows(spec, n, k, tile), (spec, n, k, tile)
+    x_bytes = x_bytes or (PROMPT_X_BYTES if prompt else X_BYTES)
     assert x_bytes in (1, 2), x_bytes
+    prompt_rows = PROMPT_ROWS[x_bytes]
     i64 = T.int64
     whole, tail = group_sizes(spec, k)
     groups = whole + bool(tail)
@@ -276,11 +288,11 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
         else:
             quantize_row(x, xq, base, 0)
         for t in T.parallel(n // tile):
-            acc = T.alloc_buffer((PROMPT_ROWS * tile,), "float32")
-            if prompt:     # rows of the prompt in pairs: each code load and unpack serves both
-                for pair in range(m // PROMPT_ROWS):
-                    tile_rows(w, s, xq, base, radix, out, acc, t, pair * PROMPT_ROWS, PROMPT_ROWS)
-                for r in range(m // PROMPT_ROWS * PROMPT_ROWS, m):
+            acc = T.alloc_buffer((prompt_rows * tile,), "float32")
+            if prompt:     # prompt_rows rows of the prompt at a time: each code load and unpack serves them all
+                for pair in range(m // prompt_rows):
+                    tile_rows(w, s, xq, base, radix, out, acc, t, pair * prompt_rows, prompt_rows)
+                for r in range(m // prompt_rows * prompt_rows, m):
                     tile_rows(w, s, xq, base, radix, out, acc, t, r, 1)
             else:
                 tile_rows(w, s, xq, base, radix, out, acc, t, 0, 1)
@@ -288,10 +300,10 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
     return kernel
 
 
-def arm_rows_like(func: tirx.PrimFunc, x_bytes: int = X_BYTES) -> tirx.PrimFunc | None:
+def arm_rows_like(func: tirx.PrimFunc, x_bytes: int | None = None) -> tirx.PrimFunc | None:
     """The interleaved-rows sdot kernel with `func`'s parameter order when `func` is a fused decode GEMV or prefill
     matmul of row-interleaved q4 / q8 / t2 codes (recognize: TILED_Q4 / TILED_Q8 / TILED_T2) of a shape it takes,
-    else None. The caller checks that the target has dotprod."""
+    else None (x's bytes: rows_dot_kernel's). The caller checks that the target has dotprod."""
     for prompt in (False, True):
         match = match_packed_nk_gemv(func, rows="prompt" if prompt else "one")
         if match is None or match[0] not in (*TILED_PACKED, TILED_Q8):
