@@ -6,6 +6,9 @@ else, the weights and the decode kernels included, is the same. Each prompt is r
 under qemu-aarch64 (clients/aarch64_vm): the dotprod bundle decodes greedily, the i8mm bundle is teacher-forced
 on those ids, and the logits of the prompt's last position and of every step are compared (max |Δlogit|,
 top-1 agreement, KL(dotprod || i8mm)). ~1 min of qemu per prompt and bundle.
+Since 2026-12-07 the dotprod class's prompt matmuls over interleaved rows take int8 x as well
+(arm_rows.PROMPT_X_BYTES), with the same int8 values: the figures in docs/kernels.md compared against the
+two-byte prompt of commit e05a57e; building at that commit (or with PROMPT_X_BYTES = 2) gives that reference.
 
     .venv/bin/python benchmarks/i8mm_prefill_accuracy.py DIST/<model>-q4f16-android-cpu (i8mm) \\
         DIST/<model>-q4f16-android-cpu (dotprod) [--steps 16]
