@@ -69,6 +69,8 @@ ROW_CASES = {
     "t2_rows8_prompt": ("t2", 128, 576, 8, "float16", True, 2),
     "t2_rows4_fp32": ("t2", 64, 256, 4, "float32", False, 2),
     "t2_rows8_int8": ("t2", 576, 576, 8, "float16", False, 1),
+    "t2_rows8_int8_prompt": ("t2", 128, 576, 8, "float16", True, 1),
+    "q8_rows8_int8_prompt": ("q8", 128, 576, 8, "float16", True, 1),
 }
 PROMPT_ROWS = 5
 FP16_ULP = 2.0 ** -10

@@ -29,6 +29,7 @@ from tvm import tirx
 
 from pipeline.kernels.cpu.arm import X_BYTES, arm_dot_like
 from pipeline.kernels.cpu.arm_rows import PROMPT_X_BYTES, arm_rows_like
+from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_PACKED, TILED_Q8
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 from pipeline.verify.opencl import run_on_llvm
 from pipeline.verify.opencl_plan import param_spec
@@ -46,7 +47,7 @@ KV_DRIVEN = ("paged_kv", "ragged_kv", "tree_attn", "kv_cache", "kv_copy", "copy_
 FP16_ULP = 2.0 ** -10
 FP32_CONTRACTION = 1e-6   # fp32 kernels of an fp16 build: aarch64 fuses multiply-adds, x86 rounds twice
 # the sdot kernels' quantized activations (tests/test_arm_kernels.py): two bytes (decode's default) or int8 (the
-# interleaved rows' prompt default, arm_rows.PROMPT_X_BYTES: measured 5.0e-3 to 6.9e-3 of the output's scale)
+# interleaved q4 / q8 rows' prompt default, arm_rows.PROMPT_X_BYTES: measured 5.0e-3 to 6.9e-3 of the output's scale)
 SDOT_FP32_TOLERANCE = {2: 1e-4, 1: 2e-2}
 SDOT_FP16_TOLERANCE = 2e-2   # the x86 fp16 reference sums K products in fp16 itself (measured up to 1.05e-2)
 
@@ -124,10 +125,13 @@ def _sdot_kernels(mod: tvm.IRModule) -> set[str]:
 
 
 def _x_bytes(mod: tvm.IRModule, name: str) -> int:
-    """The bytes per value of x in an sdot kernel: int8 for an interleaved-rows prompt matmul, else arm.X_BYTES."""
+    """The bytes per value of x in an sdot kernel: an interleaved-rows prompt matmul's PROMPT_X_BYTES of its
+    codes' bits, else arm.X_BYTES."""
     func = mod[name]
-    rows_prompt = arm_rows_like(func) is not None and match_packed_nk_gemv(func, rows="prompt") is not None
-    return PROMPT_X_BYTES if rows_prompt else X_BYTES
+    match = match_packed_nk_gemv(func, rows="prompt")
+    if arm_rows_like(func) is None or match is None:
+        return X_BYTES
+    return PROMPT_X_BYTES[8 if match[0] == TILED_Q8 else NK_FORMATS[TILED_PACKED[match[0]]].bits]
 
 
 def _fp32_kernels(mod: tvm.IRModule) -> set[str]:

@@ -29,9 +29,9 @@ plane. The last group may be shorter (K = 576: 64 values). Over plain NK rows (a
 group reduction and x was shared by 4 rows only: 0.332 instructions per weight in the hot loop there, 0.256
 here (SmolLM2 shapes, whole calls with x's quantization: 0.36-0.40 there, 0.27-0.28 here).
 
-A prompt's x is quantized to int8 (PROMPT_X_BYTES: one sdot per code vector and row, as llama.cpp and the
-smmla prefill do; decode keeps two-byte x) and runs PROMPT_ROWS[1] = 4 rows per pass over a tile's codes:
-0.141 instructions per q4 weight and row, 0.130 q8, 0.114 t2 (two-byte x, 2 rows: 0.255 / 0.227 / 0.218).
+A q4 / q8 prompt's x is quantized to int8 (PROMPT_X_BYTES: one sdot per code vector and row, as llama.cpp and
+the smmla prefill do; decode and t2 prompts keep two-byte x) and runs PROMPT_ROWS[1] = 4 rows per pass over a
+tile's codes: 0.141 instructions per q4 weight and row, 0.130 q8 (two-byte x, 2 rows: 0.255 / 0.227; t2 0.218).
 A prompt runs every row of x inside the task (a task's tile of weights, tile x K / 2 bytes, stays in L1);
 each task owns one tile of output rows, TVM's parallel loop gives each thread a contiguous range of tiles,
 so 1 and 4 threads compute every output identically.
@@ -47,10 +47,11 @@ from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES
 from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_PACKED, TILED_Q8, PackedFormat, substitute
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 
-# prefill x in int8 (step max|x| / 127 per group: llama.cpp's Q8_0, and the i8mm class's smmla prefill): one sdot per
-# code vector and prompt row instead of two; decode keeps arm.X_BYTES. Accuracy: docs/kernels.md (the same int8
-# values as the smmla prefill's, measured there against two-byte x).
-PROMPT_X_BYTES = 1
+# prefill x by code bits: q4 / q8 in int8 (step max|x| / 127 per group of 32: llama.cpp's Q8_0, the i8mm class's
+# smmla prefill): one sdot per code vector and prompt row instead of two; decode keeps arm.X_BYTES. t2 keeps two
+# bytes: its groups are 128 wide, and one int8 step per 128 values moved the ternary_ptq model's logits by 0.24 of
+# their scale under qemu (two-byte: 0.011). Accuracy: docs/kernels.md.
+PROMPT_X_BYTES = {4: 1, 8: 1, 2: 2}
 # prefill: prompt rows per pass over a tile's codes, by x's bytes. Counted under qemu-aarch64 (whole calls, 1536 x
 # 576, 32 prompt rows, 8-row tiles), instructions per weight and row: two-byte x q4 0.255 with 2 rows (3 rows
 # 0.258: the accumulators spill); int8 x q4 0.167 / 0.152 / 0.141 / 0.156 with 2 / 3 / 4 / 5 rows, q8 0.141 ->
@@ -183,10 +184,10 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
                     scale_dtype: str = "float16", prompt: bool = False, x_bytes: int | None = None) -> tirx.PrimFunc:
     """out[1, m, n] = x[1, m, k] @ dequantize(codes, scales [n / tile, groups, tile]) for row-interleaved codes
     (q4: uint32 [n / tile, k / 8, tile]; q8: int8 [n / tile, k / 4, 4 tile], quantize.interleave_q8); m = 1
-    (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes (None: PROMPT_X_BYTES for a prompt, else
-    X_BYTES)."""
+    (decode) or symbolic (`prompt`); x in `x_bytes` signed bytes (None: PROMPT_X_BYTES of the codes' bits for a
+    prompt, else X_BYTES)."""
     assert check_rows(spec, n, k, tile), (spec, n, k, tile)
-    x_bytes = x_bytes or (PROMPT_X_BYTES if prompt else X_BYTES)
+    x_bytes = x_bytes or (PROMPT_X_BYTES[spec.bits] if prompt else X_BYTES)
     assert x_bytes in (1, 2), x_bytes
     prompt_rows = PROMPT_ROWS[x_bytes]
     i64 = T.int64
