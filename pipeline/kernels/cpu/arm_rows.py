@@ -44,6 +44,7 @@ from tvm.script import tirx as T
 
 from pipeline.formats import PACKINGS
 from pipeline.kernels.cpu.arm import Q_MAX, SDOT, X_BYTES
+from pipeline.kernels.cpu.fast_math import lanes_reduce
 from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_PACKED, TILED_Q8, PackedFormat, substitute
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 
@@ -85,14 +86,6 @@ def check_rows(spec: PackedFormat, n: int, k: int, tile: int) -> bool:
 def group_sizes(spec: PackedFormat, k: int) -> tuple[int, int]:
     """(whole groups, values of the last group when it is shorter, else 0)."""
     return k // spec.group, k % spec.group
-
-
-def _lanes_reduce(v, lanes: int, op):
-    """op over the `lanes` lanes of vector v, halving by shuffles (LLVM: pairwise / across-lane NEON)."""
-    while lanes > 1:
-        lanes //= 2
-        v = op(T.Shuffle([v], list(range(lanes))), T.Shuffle([v], list(range(lanes, 2 * lanes))))
-    return v
 
 
 def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: float, pair_rows: bool = False):
@@ -140,7 +133,7 @@ def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: f
     def quantize_group(x, xq, base, r, src, g, size):
         """Group g of row src of x, its `size` values (static), as row r."""
         v = [T.Cast("float32x8", x[0, src, T.Ramp(g * group + 8 * i, 1, 8)]) for i in range(size // 8)]
-        amax: T.let[T.float32] = _lanes_reduce(tree([T.fabs(u) for u in v], T.max), 8, T.max)
+        amax: T.let[T.float32] = lanes_reduce(tree([T.fabs(u) for u in v], T.max), 8, T.max)
         inv: T.let[T.float32] = T.if_then_else(amax > T.float32(0), T.float32(q_max) / amax, T.float32(0))
         q = [T.Cast("int32x8", T.round(u * T.Broadcast(inv, 8))) for u in v]
         # one store per code word's values: 4 per q4 / q8 group and t2 half group
@@ -153,7 +146,7 @@ def quantize_row_vector_macro(spec: PackedFormat, k: int, x_bytes: int, q_max: f
             store(xq, r, g, 5, q[5 * per:6 * per])
             store(xq, r, g, 6, q[6 * per:7 * per])
             store(xq, r, g, 7, q[7 * per:8 * per])
-        total: T.let[T.int32] = _lanes_reduce(tree(q, lambda a, b: a + b), 8, lambda a, b: a + b)
+        total: T.let[T.int32] = lanes_reduce(tree(q, lambda a, b: a + b), 8, lambda a, b: a + b)
         if pair_rows:
             base[r // 2, g, T.Ramp(r % 2 * 2, 1, 2)] = T.Broadcast(total * -spec.offset, 2)
             base[r // 2, g, T.Ramp(4 + r % 2 * 2, 1, 2)] = T.Broadcast(

@@ -19,8 +19,8 @@ cache calls them unchanged:
   bit-identical, 512 tokens 28.4 -> 26.0 ms here). The decode kernel likewise (its keys past a page's valid
   slots read the last valid one at weight 0): 129 keys 1.05 -> 0.84 (155 k -> 124 k instructions per layer
   call), x86 bit-identical, 4 sequences of 17-700 keys 300 -> 264 us. A tile's max and its weights' sum
-  are reduced across vector lanes (`_across`) instead of by a scalar loop over the 16 keys: prefill 0.92 ->
-  0.82, decode 124 k -> 116 k (x86 outputs within 5e-7; the sum's order changed);
+  are reduced across vector lanes (`fast_math.lanes_reduce`) instead of by a scalar loop over the 16 keys:
+  prefill 0.92 -> 0.82, decode 124 k -> 116 k (x86 outputs within 5e-7; the sum's order changed);
 * the weights 2^(s - max) of a tile come from a polynomial exp2 that vectorizes (`_exp2`; LLVM turns
   `exp2` into one libm call per lane);
 * prefill tasks are head-major: with TVM's static split of a parallel loop into one contiguous range
@@ -46,6 +46,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from pipeline.kernels.cpu.fast_math import lanes_reduce
 from pipeline.kernels.cpu.packed import prefetch_line
 from pipeline.kernels.cpu.probe import has_avx2, native_threads
 
@@ -88,15 +89,6 @@ def _lane_sums(part: T.Buffer, base):
     return _pair_sums(v[0], v[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
 
 
-def _across(v, lanes: int, op):
-    """op over the lanes of vector v, halving by shuffles (NEON: pairwise / across-lane instructions), in place
-    of a scalar loop over them."""
-    while lanes > 1:
-        lanes //= 2
-        v = op(T.Shuffle([v], list(range(lanes))), T.Shuffle([v], list(range(lanes, 2 * lanes))))
-    return v
-
-
 @T.macro
 def _softmax_step(part: T.Buffer, sc: T.Buffer, st: T.Buffer, acc: T.Buffer, i: int, t: T.int32, n_valid: T.int32,
                   d_v: int):
@@ -107,8 +99,8 @@ def _softmax_step(part: T.Buffer, sc: T.Buffer, st: T.Buffer, acc: T.Buffer, i: 
     for g in T.unroll(TILE // LANES):
         sc[T.Ramp(i * TILE + g * LANES, 1, LANES)] = _lane_sums(part, (i * TILE + g * LANES) * LANES)
     valid = T.Ramp(t * TILE, 1, TILE) < T.Broadcast(n_valid, TILE)
-    st[i * 3 + 2] = _across(T.Select(valid, sc[T.Ramp(i * TILE, 1, TILE)], T.Broadcast(T.float32(NEG), TILE)),
-                            TILE, T.max)
+    st[i * 3 + 2] = lanes_reduce(T.Select(valid, sc[T.Ramp(i * TILE, 1, TILE)], T.Broadcast(T.float32(NEG), TILE)),
+                                 TILE, T.max)
     if st[i * 3 + 2] > st[i * 3]:
         st[i * 3 + 1] = st[i * 3 + 1] * T.exp2(st[i * 3] - st[i * 3 + 2])
         for x in T.vectorized(d_v):
@@ -116,7 +108,7 @@ def _softmax_step(part: T.Buffer, sc: T.Buffer, st: T.Buffer, acc: T.Buffer, i: 
         st[i * 3] = st[i * 3 + 2]
     for jj in T.vectorized(TILE):
         sc[i * TILE + jj] = T.Select(t * TILE + jj < n_valid, _exp2(sc[i * TILE + jj] - st[i * 3]), T.float32(0))
-    st[i * 3 + 1] = st[i * 3 + 1] + _across(sc[T.Ramp(i * TILE, 1, TILE)], TILE, lambda a, b: a + b)
+    st[i * 3 + 1] = st[i * 3 + 1] + lanes_reduce(sc[T.Ramp(i * TILE, 1, TILE)], TILE, lambda a, b: a + b)
 
 
 def _ragged_kv(k: T.Buffer, v: T.Buffer, kv0, head, which: int, key, c):

@@ -31,6 +31,15 @@ EXP2_MAX = 127.999                  # the same bounds for 2^x
 EXP2_MIN = -149.9
 
 
+def lanes_reduce(v, lanes: int, op):
+    """op over the `lanes` lanes of vector v, halving by shuffles (NEON: pairwise / across-lane instructions;
+    x86: shuffles), in place of a scalar loop over the lanes."""
+    while lanes > 1:
+        lanes //= 2
+        v = op(tirx.Shuffle([v], list(range(lanes))), tirx.Shuffle([v], list(range(lanes, 2 * lanes))))
+    return v
+
+
 def _f32(value: float):
     return tirx.const(value, "float32")
 
