@@ -28,8 +28,8 @@ import tvm
 from tvm import tirx
 
 from pipeline.kernels.cpu.arm import X_BYTES, arm_dot_like
-from pipeline.kernels.cpu.arm_rows import PROMPT_X_BYTES, arm_rows_like
-from pipeline.kernels.cpu.packed import NK_FORMATS, TILED_PACKED, TILED_Q8
+from pipeline.kernels.cpu.arm_rows import PROMPT_X_BYTES, arm_rows_like, rows_base
+from pipeline.kernels.cpu.packed import NK_FORMATS
 from pipeline.kernels.cpu.recognize import match_packed_nk_gemv
 from pipeline.verify.opencl import run_on_llvm
 from pipeline.verify.opencl_plan import param_spec
@@ -131,7 +131,7 @@ def _x_bytes(mod: tvm.IRModule, name: str) -> int:
     match = match_packed_nk_gemv(func, rows="prompt")
     if arm_rows_like(func) is None or match is None:
         return X_BYTES
-    return PROMPT_X_BYTES[8 if match[0] == TILED_Q8 else NK_FORMATS[TILED_PACKED[match[0]]].bits]
+    return PROMPT_X_BYTES[NK_FORMATS[rows_base(match[0])].bits]
 
 
 def _fp32_kernels(mod: tvm.IRModule) -> set[str]:

@@ -294,6 +294,11 @@ def rows_dot_kernel(spec: PackedFormat, n: int, k: int, tile: int, act: str = "f
     return kernel
 
 
+def rows_base(fmt: str) -> str:
+    """The NK format (NK_FORMATS key) of a row-interleaved recognize format (TILED_Q4 / TILED_Q8 / TILED_T2)."""
+    return "q8" if fmt == TILED_Q8 else TILED_PACKED[fmt]
+
+
 def arm_rows_like(func: tirx.PrimFunc, x_bytes: int | None = None) -> tirx.PrimFunc | None:
     """The interleaved-rows sdot kernel with `func`'s parameter order when `func` is a fused decode GEMV or prefill
     matmul of row-interleaved q4 / q8 / t2 codes (recognize: TILED_Q4 / TILED_Q8 / TILED_T2) of a shape it takes,
@@ -304,7 +309,7 @@ def arm_rows_like(func: tirx.PrimFunc, x_bytes: int | None = None) -> tirx.PrimF
             continue
         fmt, n, k, act, scale_dtype, order = match
         tile = int(func.params[order.index("scales")].shape[2])
-        base = "q8" if fmt == TILED_Q8 else TILED_PACKED[fmt]
+        base = rows_base(fmt)
         if not check_rows(NK_FORMATS[base], n, k, tile):
             return None
         kernel = rows_dot_kernel(NK_FORMATS[base], n, k, tile, act, scale_dtype, prompt, x_bytes)
